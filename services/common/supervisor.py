@@ -1,0 +1,151 @@
+"""Run the whole chain locally as separate processes: worker(s) → scheduler →
+tokenizer → http_edge. `make run` uses it; so do the end-to-end tests.
+
+Prints the URL once `/health` answers 200. SIGINT/SIGTERM stop every child
+(each drains gracefully, then is killed if it lingers); children also get
+SIGTERM if this process dies, so nothing is orphaned.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PR_SET_PDEATHSIG = 1
+STOP_GRACE_S = 15.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass
+class Chain:
+    host: str = "127.0.0.1"
+    edge_port: int = 8000
+    tokenizer_port: int = 50051
+    scheduler_port: int = 50052
+    worker_ports: list[int] = field(default_factory=lambda: [50053])
+    env: dict[str, str] = field(default_factory=dict)
+    log_dir: Path | None = None  # None: children write to our stdout/stderr
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.edge_port}"
+
+    def start(self) -> None:
+        workers = [f"127.0.0.1:{p}" for p in self.worker_ports]
+        for i, port in enumerate(self.worker_ports):
+            self._spawn(f"worker{i}", "services.worker", "--port", str(port))
+        self._spawn("scheduler", "services.scheduler", "--port", str(self.scheduler_port),
+                    "--worker-addresses", ",".join(workers))
+        self._spawn("tokenizer", "services.tokenizer", "--port", str(self.tokenizer_port),
+                    "--scheduler-address", f"127.0.0.1:{self.scheduler_port}")
+        self._spawn("http_edge", "services.http_edge", "--host", self.host, "--port", str(self.edge_port),
+                    "--tokenizer-address", f"127.0.0.1:{self.tokenizer_port}")
+
+    def _spawn(self, name: str, module: str, *args: str) -> None:
+        env = {**os.environ, **self.env}
+        root = Path(__file__).resolve().parents[2]
+        env["PYTHONPATH"] = os.pathsep.join([str(root / "gen"), str(root), env.get("PYTHONPATH", "")])
+        out = None
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            out = open(self.log_dir / f"{name}.log", "ab")
+        self.procs[name] = subprocess.Popen(
+            [sys.executable, "-m", module, *args], env=env, cwd=root, stdout=out, stderr=out,
+            preexec_fn=_die_with_parent,
+        )
+
+    def wait_ready(self, timeout_s: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for name, proc in self.procs.items():
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{name} exited with {proc.returncode} during start-up{self._log_hint(name)}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as reply:
+                    if reply.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"the chain did not become healthy within {timeout_s:.0f} s")
+
+    def stop(self) -> None:
+        """Front to back, so each service drains while the one behind it still answers."""
+        for name in reversed(list(self.procs)):
+            proc = self.procs[name]
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(STOP_GRACE_S)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+
+    def _log_hint(self, name: str) -> str:
+        if self.log_dir is None:
+            return ""
+        text = (self.log_dir / f"{name}.log").read_text(errors="replace")
+        return ":\n" + text[-3000:]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Run the stormserve chain locally.")
+    parser.add_argument("--host", default=os.environ.get("STORMSERVE_HOST", "127.0.0.1"),
+                        help="edge listen address (env STORMSERVE_HOST)")
+    parser.add_argument("--port", type=int, default=int(os.environ.get("STORMSERVE_PORT", "8000")),
+                        help="edge port (env STORMSERVE_PORT)")
+    parser.add_argument("--workers", type=int, default=int(os.environ.get("STORMSERVE_WORKERS", "1")),
+                        help="number of worker processes (env STORMSERVE_WORKERS)")
+    args = parser.parse_args()
+    chain = Chain(host=args.host, edge_port=args.port,
+                  worker_ports=[50053 + i for i in range(args.workers)])
+    stopping = False
+    exit_code = 0
+
+    def on_signal(signum, frame):
+        nonlocal stopping
+        if not stopping:
+            stopping = True
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        chain.start()
+        chain.wait_ready()
+        print(f"stormserve is ready: {chain.url}/v1/chat/completions", flush=True)
+        while all(p.poll() is None for p in chain.procs.values()):
+            time.sleep(0.5)
+        dead = [n for n, p in chain.procs.items() if p.poll() is not None]
+        print(f"stopping: {', '.join(dead)} exited", file=sys.stderr, flush=True)
+        exit_code = 1
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        chain.stop()
+    sys.exit(exit_code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""The edge's one typed config: CLI flags and STORMSERVE_* environment
+variables, with the MindIE names (`maxRequestLength`, `e2eTimeout`) as aliases."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.common.config import require, setting
+
+MAX_E2E_TIMEOUT_S = 65535  # MindIE's e2eTimeout range is [1, 65535] s
+
+
+@dataclass(frozen=True)
+class EdgeConfig:
+    """HTTP edge: REST/SSE in front of ChatService."""
+
+    host: str = setting("127.0.0.1", "address the HTTP server binds")
+    port: int = setting(8000, "HTTP port (0 picks a free one)")
+    tokenizer_address: str = setting(
+        "127.0.0.1:50051", "host:port of the ChatService (tokenizer) gRPC server"
+    )
+    max_request_mib: int = setting(
+        40, "largest accepted request body in MiB, [1, 100]; larger bodies get 413",
+        alias="maxRequestLength",
+    )
+    request_timeout_s: float | None = setting(
+        600.0,
+        "end-to-end deadline of one chat request in seconds, (0, 65535]; empty means none",
+        alias="e2eTimeout",
+    )
+    models_cache_s: float = setting(
+        5.0, "how long a ListModels answer is reused for /v1/models and model checks, >= 0"
+    )
+    shutdown_grace_s: float = setting(
+        5.0, "seconds open requests may finish after SIGTERM before they are cut, >= 0"
+    )
+
+    def __post_init__(self) -> None:
+        require(bool(self.host), "host must not be empty")
+        require(0 <= self.port <= 65535, f"port must be in [0, 65535], got {self.port}")
+        host, sep, port = self.tokenizer_address.rpartition(":")
+        require(
+            bool(sep and host and port.isdigit()),
+            f"tokenizer_address must be host:port, got {self.tokenizer_address!r}",
+        )
+        require(
+            1 <= self.max_request_mib <= 100,
+            f"max_request_mib (maxRequestLength) must be in [1, 100], got {self.max_request_mib}",
+        )
+        require(
+            self.request_timeout_s is None or 0 < self.request_timeout_s <= MAX_E2E_TIMEOUT_S,
+            f"request_timeout_s (e2eTimeout) must be in (0, {MAX_E2E_TIMEOUT_S}], "
+            f"got {self.request_timeout_s}",
+        )
+        require(self.models_cache_s >= 0, f"models_cache_s must be >= 0, got {self.models_cache_s}")
+        require(
+            self.shutdown_grace_s >= 0, f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}"
+        )
+
+    @property
+    def max_request_bytes(self) -> int:
+        return self.max_request_mib * 1024 * 1024

@@ -1,0 +1,190 @@
+"""One error body for every failure the edge answers (reference §9.1):
+
+    {"error": msg, "error_type": type, "code": int, "result": null, "message": msg}
+
+`error`/`error_type` are MindIE's fields, `code`/`result`/`message` the product
+page's. HTTP statuses follow MindIE; `code` is the documented code where one
+exists (802 timeout, 9999 generation failure, 801/702 auth) and the HTTP status
+otherwise (422 validation, 413 body size, 503 unavailable, 404 route).
+
+| cause                                     | HTTP | error_type             | code |
+|-------------------------------------------|------|------------------------|------|
+| bad JSON, bad field, unknown model        | 422  | Input Validation Error | 422  |
+| gRPC INVALID_ARGUMENT, NOT_FOUND          | 422  | Input Validation Error | 422  |
+| body above maxRequestLength               | 413  | Payload Too Large      | 413  |
+| gRPC OUT_OF_RANGE (prompt too long)       | 424  | Generation Error       | 9999 |
+| gRPC UNAVAILABLE, RESOURCE_EXHAUSTED      | 503  | Service Unavailable    | 503  |
+| gRPC DEADLINE_EXCEEDED                    | 500  | Incomplete Generation  | 802  |
+| gRPC UNAUTHENTICATED / PERMISSION_DENIED  | 401  | Unauthorized           | 801 / 702 |
+| any other gRPC status or edge failure     | 500  | Incomplete Generation  | 9999 |
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from http import HTTPStatus
+from typing import Any
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger(__name__)
+
+INPUT_VALIDATION = "Input Validation Error"
+GENERATION = "Generation Error"
+INCOMPLETE = "Incomplete Generation"
+UNAVAILABLE = "Service Unavailable"
+UNAUTHORIZED = "Unauthorized"
+CODE_TIMEOUT = 802
+CODE_GENERATION = 9999
+CODE_APIKEY = 801
+CODE_NOT_AUTHORIZED = 702
+PARSE_FAILED = "Failed to parse request context to json"
+
+
+class EdgeError(Exception):
+    """A failure answered with `status` and the merged error body."""
+
+    def __init__(self, status: int, error_type: str, message: str, code: int | None = None):
+        super().__init__(message)
+        self.status = status
+        self.error_type = error_type
+        self.message = message
+        self.code = status if code is None else code
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": self.message,
+            "error_type": self.error_type,
+            "code": self.code,
+            "result": None,
+            "message": self.message,
+        }
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def invalid_input(message: str) -> EdgeError:
+    return EdgeError(422, INPUT_VALIDATION, message)
+
+
+def body_too_large(limit_mib: int) -> EdgeError:
+    return EdgeError(413, "Payload Too Large", f"Request body too large. Maximum allowed size is {limit_mib}MB.")
+
+
+def unavailable(message: str) -> EdgeError:
+    return EdgeError(503, UNAVAILABLE, message)
+
+
+_GRPC_TO_HTTP: dict[grpc.StatusCode, tuple[int, str, int | None]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: (422, INPUT_VALIDATION, None),
+    grpc.StatusCode.NOT_FOUND: (422, INPUT_VALIDATION, None),
+    grpc.StatusCode.OUT_OF_RANGE: (424, GENERATION, CODE_GENERATION),
+    grpc.StatusCode.UNAVAILABLE: (503, UNAVAILABLE, None),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (503, UNAVAILABLE, None),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (500, INCOMPLETE, CODE_TIMEOUT),
+    grpc.StatusCode.UNAUTHENTICATED: (401, UNAUTHORIZED, CODE_APIKEY),
+    grpc.StatusCode.PERMISSION_DENIED: (401, UNAUTHORIZED, CODE_NOT_AUTHORIZED),
+}
+
+
+def from_grpc(code: grpc.StatusCode, details: str | None) -> EdgeError:
+    status, error_type, doc_code = _GRPC_TO_HTTP.get(code, (500, INCOMPLETE, CODE_GENERATION))
+    return EdgeError(status, error_type, details or code.name, doc_code)
+
+
+def from_rpc_error(exc: grpc.aio.AioRpcError) -> EdgeError:
+    return from_grpc(exc.code(), exc.details())
+
+
+def from_chat_error(code: int, message: str, error_type: str) -> EdgeError:
+    """A `ChatChunk.error` (failure after the stream started): HTTP 500 when not streaming."""
+    return EdgeError(500, error_type or INCOMPLETE, message or "generation failed", code or CODE_GENERATION)
+
+
+# -- validation messages -----------------------------------------------------
+
+_TYPE_RULES = {
+    "float_type": "must be a number",
+    "int_type": "must be an integer",
+    "bool_type": "must be a boolean",
+    "string_type": "must be a string",
+    "list_type": "must be a list",
+    "dict_type": "must be an object",
+    "model_type": "must be an object",
+    "model_attributes_type": "must be an object",
+    "missing": "is required",
+    "finite_number": "must be a finite number",
+}
+
+
+def field_path(loc: Sequence[str | int]) -> str:
+    """('messages', 0, '<list>', 1, 'text') -> 'messages[0].content[1].text' minus union tags."""
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif not (part.startswith("<") and part.endswith(">")):
+            path += f".{part}" if path else part
+    return path
+
+
+def describe_error(error: dict[str, Any]) -> str:
+    """One pydantic error as '<field> <rule>'."""
+    path = field_path(error.get("loc", ()))
+    kind = error.get("type", "")
+    ctx = error.get("ctx") or {}
+    if kind == "value_error":
+        rule = str(ctx.get("error", error.get("msg", "")))
+    elif kind == "request_rule":
+        return f"{path}: {error['msg']}" if path else error["msg"]
+    elif kind == "literal_error":
+        rule = f"must be one of {ctx.get('expected')}"
+    elif kind == "too_short":
+        rule = "must not be empty" if ctx.get("min_length") == 1 else f"must have at least {ctx.get('min_length')} items"
+    elif kind == "string_too_short":
+        rule = "must not be empty" if ctx.get("min_length") == 1 else f"must be at least {ctx.get('min_length')} characters"
+    elif kind == "string_too_long":
+        rule = f"must be at most {ctx.get('max_length')} characters"
+    else:
+        rule = _TYPE_RULES.get(kind) or str(error.get("msg", "is invalid"))
+    return f"{path} {rule}" if path else rule
+
+
+def describe_validation(errors: Sequence[dict[str, Any]]) -> str:
+    return "; ".join(dict.fromkeys(describe_error(e) for e in errors)) or "invalid request"
+
+
+# -- FastAPI wiring ----------------------------------------------------------
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error the app answers, ours or the framework's, uses the merged body."""
+
+    async def on_edge_error(_: Request, exc: EdgeError) -> JSONResponse:
+        return exc.response()
+
+    async def on_request_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = [{**e, "loc": tuple(e.get("loc", ()))[1:]} for e in exc.errors()]  # drop "body"/"query"
+        return invalid_input(describe_validation(errors)).response()
+
+    async def on_http_exception(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        phrase = HTTPStatus(exc.status_code).phrase if exc.status_code in HTTPStatus._value2member_map_ else "Error"
+        error_type = "NotFoundError" if exc.status_code == 404 else phrase
+        message = exc.detail if isinstance(exc.detail, str) else phrase
+        response = EdgeError(exc.status_code, error_type, message).response()
+        response.headers.update(exc.headers or {})
+        return response
+
+    async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error", exc_info=exc)
+        return EdgeError(500, INCOMPLETE, f"internal error: {type(exc).__name__}", CODE_GENERATION).response()
+
+    app.add_exception_handler(EdgeError, on_edge_error)
+    app.add_exception_handler(RequestValidationError, on_request_validation)
+    app.add_exception_handler(StarletteHTTPException, on_http_exception)
+    app.add_exception_handler(Exception, on_unexpected)

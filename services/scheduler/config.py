@@ -1,0 +1,28 @@
+"""Scheduler configuration (reference names in `alias`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.common.config import require, setting
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Queue, continuous batching and worker routing."""
+
+    host: str = setting("127.0.0.1", "address to listen on")
+    port: int = setting(50052, "gRPC port")
+    worker_addresses: tuple[str, ...] = setting(("127.0.0.1:50053",), "comma-separated worker host:port list")
+    max_batch_size: int = setting(64, "most sequences in one engine step", alias="maxBatchSize")
+    max_prefill_tokens: int = setting(8192, "most prompt tokens prefilled in one step", alias="maxPrefillTokens")
+    max_seq_len: int = setting(2560, "prompt + output cap in tokens", alias="maxSeqLen")
+    max_iter_times: int = setting(512, "default and upper cap of max_tokens", alias="maxIterTimes")
+    max_queue_size: int = setting(4096, "most requests waiting before new ones are refused")
+
+    def __post_init__(self) -> None:
+        require(bool(self.worker_addresses), "worker_addresses must name at least one worker")
+        require(1 <= self.max_batch_size <= 819200, "maxBatchSize must be in [1, 819200]")
+        require(1 <= self.max_prefill_tokens <= 4194304, "maxPrefillTokens must be in [1, 4194304]")
+        require(self.max_seq_len >= 2, "maxSeqLen must be >= 2")
+        require(self.max_iter_times >= 1, "maxIterTimes must be >= 1")
+        require(self.max_queue_size >= 1, "max_queue_size must be >= 1")

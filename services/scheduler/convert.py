@@ -1,0 +1,91 @@
+"""GenerateRequest/GenerateResponse <-> scheduler dataclasses, defaults resolved here."""
+from __future__ import annotations
+
+import random
+
+from services.common.errors import invalid_argument
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.sequence import (
+    FinishReason,
+    SamplingParams,
+    Sequence,
+    StoppingCriteria,
+    TokenEvent,
+)
+from stormserve.scheduler.v1 import scheduler_pb2
+
+_FINISH = {
+    FinishReason.STOP: scheduler_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: scheduler_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: scheduler_pb2.FINISH_REASON_ABORT,
+}
+_SEED_BITS = 63  # torch generators take a signed 64-bit seed; uint64 seeds are folded in
+
+
+def to_sequence(request: scheduler_pb2.GenerateRequest, seq_id: int, config: SchedulerConfig,
+                now_us: int) -> Sequence:
+    prompt = list(request.prompt_token_ids)
+    if not request.request_id:
+        raise invalid_argument("request_id is required")
+    if not prompt:
+        raise invalid_argument("prompt_token_ids must not be empty")
+    if len(prompt) >= config.max_seq_len:
+        raise invalid_argument(
+            f"prompt has {len(prompt)} tokens; maxSeqLen {config.max_seq_len} leaves no room for output"
+        )
+    s = request.sampling
+    seed = s.seed if s.HasField("seed") else random.getrandbits(64)
+    sampling = SamplingParams(
+        temperature=s.temperature if s.HasField("temperature") else 1.0,
+        top_k=max(0, s.top_k) if s.HasField("top_k") else 0,
+        top_p=s.top_p if s.HasField("top_p") else 1.0,
+        seed=seed % (1 << _SEED_BITS) ^ (seed >> _SEED_BITS),
+        repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
+        presence_penalty=s.presence_penalty if s.HasField("presence_penalty") else 0.0,
+        frequency_penalty=s.frequency_penalty if s.HasField("frequency_penalty") else 0.0,
+        top_logprobs=s.top_logprobs if s.HasField("top_logprobs") else -1,
+    )
+    if sampling.temperature < 0:
+        raise invalid_argument("temperature must be >= 0")
+    if not 0 < sampling.top_p <= 1:
+        raise invalid_argument("top_p must be in (0, 1]")
+    st = request.stopping
+    cap = min(config.max_iter_times, config.max_seq_len - len(prompt))
+    if st.HasField("max_tokens") and st.max_tokens <= 0:
+        raise invalid_argument("max_tokens must be > 0")
+    max_tokens = min(st.max_tokens, cap) if st.HasField("max_tokens") else cap
+    stopping = StoppingCriteria(
+        max_tokens=max_tokens,
+        stop_token_ids=frozenset(st.stop_token_ids),
+        ignore_eos=st.ignore_eos,
+    )
+    return Sequence(
+        seq_id=seq_id,
+        request_id=request.request_id,
+        prompt_token_ids=prompt,
+        sampling=sampling,
+        stopping=stopping,
+        arrival_us=request.arrival_time_us or now_us,
+    )
+
+
+def to_response(seq: Sequence, events: list[TokenEvent], is_first: bool) -> scheduler_pb2.GenerateResponse:
+    reply = scheduler_pb2.GenerateResponse(
+        tokens=[
+            scheduler_pb2.GeneratedToken(
+                token_id=e.token_id,
+                logprob=e.logprob,
+                top_logprobs=[scheduler_pb2.TokenAlternative(token_id=t, logprob=lp) for t, lp in e.top_logprobs],
+                batch_size=e.batch_size,
+                queue_wait_us=e.queue_wait_us,
+                latency_ms=e.latency_ms,
+            )
+            for e in events
+        ]
+    )
+    if is_first:
+        reply.prompt_tokens = seq.num_prompt_tokens
+    if seq.is_finished and seq.finish_reason is not None:
+        reply.finish_reason = _FINISH[seq.finish_reason]
+        reply.ended_by_stop_token = seq.ended_by_stop_token
+    return reply

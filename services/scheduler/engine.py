@@ -1,0 +1,138 @@
+"""The engine loop for one worker: plan, execute, account — and deliver each
+token to its request's stream. Also watches the worker's health: when it is
+down its in-flight requests end with an error and new ones go elsewhere; it
+rejoins when healthy again."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+from services.scheduler.policy import BatchPolicy, WorkerCapacity
+from services.scheduler.sequence import FinishReason, Sequence, TokenEvent
+from services.scheduler.worker_client import WorkerClient, WorkerError
+
+log = logging.getLogger(__name__)
+HEALTH_POLL_S = 1.0
+
+
+def now_us() -> int:
+    return time.time_ns() // 1000
+
+
+@dataclass
+class SequenceFailed:
+    """Delivered instead of a token when the sequence cannot go on."""
+
+    message: str
+
+
+# Items on a request's stream: a TokenEvent, or a SequenceFailed (then nothing more).
+StreamItem = TokenEvent | SequenceFailed
+
+
+class EngineLoop:
+    def __init__(self, worker: WorkerClient, max_batch_size: int, max_prefill_tokens: int):
+        self.worker = worker
+        self.max_batch_size = max_batch_size
+        self.max_prefill_tokens = max_prefill_tokens
+        self.policy: BatchPolicy | None = None
+        self.num_steps = 0
+        self._streams: dict[int, asyncio.Queue[StreamItem]] = {}
+        self._wakeup = asyncio.Event()
+        self._ready = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+
+    @property
+    def is_ready(self) -> bool:
+        return self._ready.is_set()
+
+    @property
+    def load(self) -> int:
+        return self.policy.num_unfinished if self.policy else 0
+
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._watch_health()), asyncio.create_task(self._run())]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.worker.close()
+
+    def submit(self, seq: Sequence) -> asyncio.Queue[StreamItem]:
+        """Queue a sequence; raises CapacityError if it can never fit."""
+        assert self.policy is not None and self.is_ready
+        self.policy.add(seq)
+        stream: asyncio.Queue[StreamItem] = asyncio.Queue()
+        self._streams[seq.seq_id] = stream
+        self._wakeup.set()
+        return stream
+
+    def abort(self, seq: Sequence) -> None:
+        """The caller went away: drop the sequence; its KV is released with the next step."""
+        self._streams.pop(seq.seq_id, None)
+        if self.policy is not None:
+            self.policy.finish(seq, FinishReason.ABORT)
+            self._wakeup.set()
+
+    async def _run(self) -> None:
+        while True:
+            await self._ready.wait()
+            policy = self.policy
+            plan = policy.schedule() if policy else None
+            if plan is None:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            started = now_us()
+            try:
+                sampled = await self.worker.step(plan)
+            except WorkerError as exc:
+                log.error("step %d failed: %s", plan.step_id, exc)
+                self._fail_all(str(exc))
+                continue
+            self.num_steps += 1
+            for seq, event in policy.postprocess(plan, sampled, started, now_us()):
+                stream = self._streams.get(seq.seq_id)
+                if stream is not None:
+                    stream.put_nowait(event)
+                if seq.is_finished:
+                    self._streams.pop(seq.seq_id, None)
+
+    def _fail_all(self, message: str) -> None:
+        """The worker's KV state is gone: every sequence on it ends with an error."""
+        self._ready.clear()
+        policy = self.policy
+        if policy is None:
+            return
+        for seq in list(policy.running) + list(policy.waiting):
+            policy.finish(seq, FinishReason.ABORT)
+            stream = self._streams.pop(seq.seq_id, None)
+            if stream is not None:
+                stream.put_nowait(SequenceFailed(f"worker lost: {message}"))
+        policy.forget_worker_state()
+
+    async def _watch_health(self) -> None:
+        while True:
+            serving = await self.worker.is_serving()
+            if serving and not self.is_ready:
+                try:
+                    capacity, info = await self.worker.describe()
+                except Exception as exc:  # noqa: BLE001 - retried on the next poll
+                    log.warning("describe %s failed: %s", self.worker.address, exc)
+                else:
+                    self._become_ready(capacity)
+                    log.info("worker %s ready: %s, %d KV blocks of %d tokens",
+                             self.worker.address, info.model_path, capacity.num_kv_blocks, capacity.block_size)
+            elif not serving and self.is_ready:
+                log.error("worker %s is not serving", self.worker.address)
+                self._fail_all(f"worker {self.worker.address} is not serving")
+            await asyncio.sleep(HEALTH_POLL_S)
+
+    def _become_ready(self, capacity: WorkerCapacity) -> None:
+        # A (re)started worker holds no KV state: start from a fresh policy.
+        self.policy = BatchPolicy(capacity, self.max_batch_size, self.max_prefill_tokens)
+        self._ready.set()
+        self._wakeup.set()

@@ -1,0 +1,88 @@
+"""A request's life inside the scheduler: tokens, limits and per-token stats."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Defaults already resolved (see convert.py)."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    top_logprobs: int = -1  # -1: no log-probabilities
+
+
+@dataclass(frozen=True)
+class StoppingCriteria:
+    max_tokens: int
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+
+
+@dataclass
+class TokenEvent:
+    """One generated token and the statistics the API reports for it."""
+
+    token_id: int
+    batch_size: int
+    queue_wait_us: int
+    latency_ms: float
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    stopping: StoppingCriteria
+    arrival_us: int
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+    ended_by_stop_token: bool = False
+    # Time of the last token delivered (or arrival): queue wait and latency count from here.
+    last_event_us: int = 0
+    num_computed_tokens: int = 0
+    is_sent_to_worker: bool = False
+
+    def __post_init__(self) -> None:
+        self.last_event_us = self.last_event_us or self.arrival_us
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def tokens_to_feed(self) -> list[int]:
+        """Tokens whose KV is not computed yet: the prompt first, then the last sample."""
+        all_tokens = self.prompt_token_ids + self.output_token_ids
+        return all_tokens[self.num_computed_tokens :]

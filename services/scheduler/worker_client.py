@@ -1,0 +1,81 @@
+"""The scheduler's side of WorkerService: one Step message per engine step.
+The only module (with convert.py) that touches worker protobufs."""
+from __future__ import annotations
+
+import grpc
+
+from services.common.grpc_server import channel, is_serving
+from services.scheduler.policy import SampledToken, StepPlan, WorkerCapacity
+from services.scheduler.sequence import Sequence
+from stormserve.worker.v1 import worker_pb2, worker_pb2_grpc
+
+
+class WorkerError(Exception):
+    """The worker failed a step or cannot be reached."""
+
+
+class WorkerClient:
+    def __init__(self, address: str):
+        self.address = address
+        self._channel = channel(address)
+        self._stub = worker_pb2_grpc.WorkerServiceStub(self._channel)
+
+    async def is_serving(self) -> bool:
+        return await is_serving(self._channel)
+
+    async def describe(self) -> tuple[WorkerCapacity, worker_pb2.DescribeResponse]:
+        reply = await self._stub.Describe(worker_pb2.DescribeRequest(), timeout=10)
+        capacity = WorkerCapacity(
+            num_kv_blocks=reply.num_kv_blocks,
+            block_size=reply.block_size,
+            max_batch_size=reply.max_batch_size,
+            eos_token_ids=frozenset(reply.eos_token_ids),
+        )
+        return capacity, reply
+
+    async def step(self, plan: StepPlan) -> dict[int, SampledToken]:
+        request = worker_pb2.StepRequest(
+            step_id=plan.step_id,
+            sequences=[_sequence_step(seq) for seq in plan.sequences],
+            release_seq_ids=plan.release_seq_ids,
+        )
+        try:
+            reply = await self._stub.Step(request)
+        except grpc.aio.AioRpcError as exc:
+            raise WorkerError(f"worker {self.address}: {exc.code().name}: {exc.details()}") from exc
+        return {
+            t.seq_id: SampledToken(
+                seq_id=t.seq_id,
+                token_id=t.token_id,
+                logprob=t.logprob if t.HasField("logprob") else None,
+                top_logprobs=tuple((a.token_id, a.logprob) for a in t.top_logprobs),
+            )
+            for t in reply.tokens
+        }
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+
+def _sequence_step(seq: Sequence) -> worker_pb2.SequenceStep:
+    step = worker_pb2.SequenceStep(
+        seq_id=seq.seq_id,
+        token_ids=seq.tokens_to_feed(),
+        num_computed_tokens=seq.num_computed_tokens,
+        sample=True,
+    )
+    if not seq.is_sent_to_worker:
+        s = seq.sampling
+        step.sampling.CopyFrom(
+            worker_pb2.SamplingParams(
+                temperature=s.temperature,
+                top_k=s.top_k,
+                top_p=s.top_p,
+                seed=s.seed,
+                repetition_penalty=s.repetition_penalty,
+                presence_penalty=s.presence_penalty,
+                frequency_penalty=s.frequency_penalty,
+                top_logprobs=s.top_logprobs,
+            )
+        )
+    return step

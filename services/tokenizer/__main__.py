@@ -1,0 +1,57 @@
+"""python -m services.tokenizer: run the ChatService and TokenizerService."""
+from __future__ import annotations
+
+import asyncio
+
+from transformers import AutoConfig, AutoTokenizer
+
+from services.common.config import load_config
+from services.common.grpc_server import GrpcService, channel, is_serving
+from services.common.log import setup_logging
+from services.common.model_files import resolve_model
+from services.tokenizer.config import TokenizerConfig
+from services.tokenizer.server import ChatServicer, TokenizerCore, TokenizerServicer
+from stormserve.chat.v1 import chat_pb2, chat_pb2_grpc
+from stormserve.scheduler.v1 import scheduler_pb2_grpc
+from stormserve.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+
+UPSTREAM_POLL_S = 1.0
+
+
+async def main() -> None:
+    config = load_config(TokenizerConfig)
+    log = setup_logging("tokenizer")
+    service = GrpcService("tokenizer", config.host, config.port)
+    model_dir = await asyncio.to_thread(resolve_model, config.model_path)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model_config = AutoConfig.from_pretrained(model_dir)
+    core = TokenizerCore(config, tokenizer, str(model_dir),
+                         getattr(model_config, "max_position_embeddings", config.max_seq_len))
+    scheduler_channel = channel(config.scheduler_address)
+    service.add(chat_pb2_grpc.add_ChatServiceServicer_to_server,
+                ChatServicer(core, scheduler_pb2_grpc.SchedulerServiceStub(scheduler_channel)),
+                chat_pb2.DESCRIPTOR.services_by_name["ChatService"])
+    service.add(tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server, TokenizerServicer(core),
+                tokenizer_pb2.DESCRIPTOR.services_by_name["TokenizerService"])
+    await service.start()
+    log.info("model %s from %s; input limit %d tokens", config.model_name, model_dir, core.max_input_tokens)
+
+    async def follow_scheduler() -> None:
+        # Ready only while the scheduler behind us is: health checks see the whole chain.
+        serving = None
+        while True:
+            now = await is_serving(scheduler_channel)
+            if now != serving:
+                serving = now
+                await service.set_serving(now)
+                log.info("serving: %s", now)
+            await asyncio.sleep(UPSTREAM_POLL_S)
+
+    follower = asyncio.create_task(follow_scheduler())
+    await service.serve_forever()
+    follower.cancel()
+    await scheduler_channel.close()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

@@ -1,0 +1,28 @@
+"""Tokenizer/template service configuration (reference names in `alias`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.common.config import require, setting
+from services.common.model_files import DEFAULT_MODEL_NAME
+
+
+@dataclass(frozen=True)
+class TokenizerConfig:
+    """Chat template, tokenization, detokenization and the public ChatService."""
+
+    host: str = setting("127.0.0.1", "address to listen on")
+    port: int = setting(50051, "gRPC port")
+    scheduler_address: str = setting("127.0.0.1:50052", "scheduler host:port")
+    model_path: str = setting("", "HF directory or .gguf file; empty = the bundled SmolLM2-135M-Instruct",
+                              alias="modelWeightPath")
+    model_name: str = setting(DEFAULT_MODEL_NAME, "name clients send in `model`", alias="modelName")
+    max_seq_len: int = setting(2560, "prompt + output cap in tokens", alias="maxSeqLen")
+    max_input_token_len: int = setting(2048, "longest accepted prompt in tokens", alias="maxInputTokenLen")
+
+    def __post_init__(self) -> None:
+        require(0 < len(self.model_name) <= 256, "modelName must have 1-256 characters")
+        require(all(c.isascii() and (c.isalnum() or c in "_.-") for c in self.model_name),
+                "modelName may contain only letters, digits, '_', '.' and '-'")
+        require(self.max_seq_len >= 2, "maxSeqLen must be >= 2")
+        require(1 <= self.max_input_token_len <= 4194304, "maxInputTokenLen must be in [1, 4194304]")

@@ -1,0 +1,125 @@
+"""Turns one choice's stream of scheduler token messages into ChatChunks:
+incremental text, stop strings, log-probabilities and the final usage."""
+from __future__ import annotations
+
+from stormserve.chat.v1 import chat_pb2
+from stormserve.scheduler.v1 import scheduler_pb2
+
+from services.tokenizer.detokenizer import IncrementalDetokenizer
+from services.tokenizer.stop_strings import StopStringMatcher
+
+_FINISH = {
+    scheduler_pb2.FINISH_REASON_STOP: chat_pb2.FINISH_REASON_STOP,
+    scheduler_pb2.FINISH_REASON_LENGTH: chat_pb2.FINISH_REASON_LENGTH,
+    # An aborted sequence ends normally with `stop`, as the reference does.
+    scheduler_pb2.FINISH_REASON_ABORT: chat_pb2.FINISH_REASON_STOP,
+}
+
+
+class ChoiceOutput:
+    def __init__(self, tokenizer, request: chat_pb2.ChatRequest, chunk_id: str, created: int,
+                 prompt_tokens: int, index: int = 0):
+        self._tokenizer = tokenizer
+        self._chunk_id = chunk_id
+        self._created = created
+        self._model = request.model
+        self._index = index
+        skip_special = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+        self._detokenizer = IncrementalDetokenizer(tokenizer.backend_tokenizer, skip_special)
+        self._stop = StopStringMatcher(list(request.stop), request.include_stop_str_in_output)
+        self._want_logprobs = request.logprobs or request.HasField("top_logprobs")
+        self.prompt_tokens = prompt_tokens
+        self.cached_tokens = 0
+        self.completion_tokens = 0
+        self._batch_sizes: list[int] = []
+        self._queue_waits: list[int] = []
+        self._prefill_time: float | None = None
+        self._decode_times: list[float] = []
+        self.is_finished = False
+
+    @property
+    def stopped_by_string(self) -> bool:
+        return self._stop.is_stopped
+
+    def on_response(self, response: scheduler_pb2.GenerateResponse) -> chat_pb2.ChatChunk | None:
+        """The chunk for this message, or None when it adds nothing visible yet."""
+        if response.cached_tokens:
+            self.cached_tokens = response.cached_tokens
+        pieces: list[str] = []
+        logprobs: list[chat_pb2.TokenLogprob] = []
+        last = len(response.tokens) - 1
+        for i, token in enumerate(response.tokens):
+            self._record(token)
+            if i == last and response.ended_by_stop_token:
+                continue  # EOS or a stop token: counted, never shown
+            pieces.append(self._detokenizer.step(token.token_id))
+            if self._want_logprobs:
+                logprobs.append(self._logprob_entry(token))
+        text = self._stop.feed("".join(pieces))
+        finish = chat_pb2.FINISH_REASON_UNSPECIFIED
+        if self._stop.is_stopped:
+            finish = chat_pb2.FINISH_REASON_STOP
+        elif response.finish_reason != scheduler_pb2.FINISH_REASON_UNSPECIFIED:
+            text += self._stop.flush()
+            finish = _FINISH[response.finish_reason]
+        if finish == chat_pb2.FINISH_REASON_UNSPECIFIED and not text and not logprobs:
+            return None
+        chunk = self._chunk(text, finish)
+        if logprobs:
+            chunk.choices[0].logprobs.content.extend(logprobs)
+        return chunk
+
+    def error_chunk(self, code: int, message: str) -> chat_pb2.ChatChunk:
+        """The last chunk of a stream that failed after it started."""
+        chunk = self._chunk(self._stop.flush(), chat_pb2.FINISH_REASON_STOP)
+        chunk.error.CopyFrom(chat_pb2.ChatError(code=code, message=message, error_type="Generation Error"))
+        return chunk
+
+    def _record(self, token: scheduler_pb2.GeneratedToken) -> None:
+        self.completion_tokens += 1
+        self._batch_sizes.append(token.batch_size)
+        self._queue_waits.append(token.queue_wait_us)
+        if self._prefill_time is None:
+            self._prefill_time = token.latency_ms
+        else:
+            self._decode_times.append(token.latency_ms)
+
+    def _logprob_entry(self, token: scheduler_pb2.GeneratedToken) -> chat_pb2.TokenLogprob:
+        text = self._tokenizer.decode([token.token_id])
+        return chat_pb2.TokenLogprob(
+            token=text,
+            logprob=token.logprob,
+            bytes=text.encode(),
+            top_logprobs=[
+                chat_pb2.TopLogprob(token=(t := self._tokenizer.decode([a.token_id])), logprob=a.logprob,
+                                    bytes=t.encode())
+                for a in token.top_logprobs
+            ],
+        )
+
+    def _chunk(self, text: str, finish: int) -> chat_pb2.ChatChunk:
+        chunk = chat_pb2.ChatChunk(
+            id=self._chunk_id,
+            created=self._created,
+            model=self._model,
+            choices=[chat_pb2.ChunkChoice(
+                index=self._index,
+                delta=chat_pb2.ChatDelta(role="assistant", content=text),
+                finish_reason=finish,
+            )],
+        )
+        if finish != chat_pb2.FINISH_REASON_UNSPECIFIED:
+            self.is_finished = True
+            chunk.usage.CopyFrom(chat_pb2.Usage(
+                prompt_tokens=self.prompt_tokens,
+                completion_tokens=self.completion_tokens,
+                total_tokens=self.prompt_tokens + self.completion_tokens,
+                prompt_tokens_details=chat_pb2.PromptTokensDetails(cached_tokens=self.cached_tokens),
+                completion_tokens_details=chat_pb2.CompletionTokensDetails(reasoning_tokens=0),
+                batch_size=self._batch_sizes,
+                queue_wait_time=self._queue_waits,
+            ))
+            if self._prefill_time is not None:
+                chunk.prefill_time = self._prefill_time
+            chunk.decode_time_arr.extend(self._decode_times)
+        return chunk

@@ -1,0 +1,162 @@
+"""ChatService (the public API) and TokenizerService wiring."""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from functools import partial
+
+import grpc
+from google.protobuf import json_format
+
+from services.common.errors import ServiceError, invalid_argument
+from services.tokenizer.config import TokenizerConfig
+from services.tokenizer.output import ChoiceOutput
+from services.tokenizer.template import render
+from stormserve.chat.v1 import chat_pb2, chat_pb2_grpc
+from stormserve.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
+from stormserve.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+
+# Documented error codes carried by a mid-stream failure.
+CODE_TIMEOUT = 802
+CODE_GENERATION_FAILED = 9999
+
+
+class TokenizerCore:
+    """What both services share: the loaded tokenizer and the limits."""
+
+    def __init__(self, config: TokenizerConfig, tokenizer, model_root: str, max_position_embeddings: int):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.model_root = model_root
+        self.created = int(time.time())
+        self.max_input_tokens = min(config.max_input_token_len, config.max_seq_len - 1, max_position_embeddings)
+
+    def check_model(self, model: str) -> None:
+        if model and model != self.config.model_name:
+            raise ServiceError(grpc.StatusCode.NOT_FOUND, f"Model not found: {model}")
+
+    async def render(self, messages, tools, kwargs: dict, add_generation_prompt: bool = True):
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            None, partial(render, self.tokenizer, list(messages), list(tools), kwargs, add_generation_prompt)
+        )
+
+
+def _reject_unsupported(request: chat_pb2.ChatRequest) -> None:
+    """Fields the contract carries but this release does not implement yet: a clear
+    error beats silently ignoring them."""
+    unsupported = []
+    if request.HasField("n") and request.n != 1:
+        unsupported.append("n > 1")
+    if request.HasField("best_of") and request.best_of != 1:
+        unsupported.append("best_of > 1")
+    if request.use_beam_search:
+        unsupported.append("use_beam_search")
+    if request.response_format.type in (chat_pb2.RESPONSE_FORMAT_TYPE_JSON_OBJECT,
+                                        chat_pb2.RESPONSE_FORMAT_TYPE_JSON_SCHEMA):
+        unsupported.append("response_format json_object/json_schema")
+    if request.tool_choice.mode in (chat_pb2.TOOL_CHOICE_MODE_REQUIRED, chat_pb2.TOOL_CHOICE_MODE_FUNCTION):
+        unsupported.append("tool_choice required or a named function")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if request.HasField(name) and getattr(request, name) != 0:
+            unsupported.append(name)
+    if request.HasField("repetition_penalty") and request.repetition_penalty != 1:
+        unsupported.append("repetition_penalty")
+    if unsupported:
+        raise invalid_argument("not supported yet: " + ", ".join(unsupported))
+
+
+def _generate_request(request: chat_pb2.ChatRequest, request_id: str, prompt: list[int],
+                      arrival_us: int) -> scheduler_pb2.GenerateRequest:
+    sampling = scheduler_pb2.SamplingParams()
+    for name in ("temperature", "top_k", "top_p", "seed"):
+        if request.HasField(name):
+            setattr(sampling, name, getattr(request, name))
+    if request.logprobs or request.HasField("top_logprobs"):
+        sampling.top_logprobs = request.top_logprobs
+    stopping = scheduler_pb2.StoppingCriteria(
+        stop_token_ids=[t for t in request.stop_token_ids if 0 <= t < 2**31],
+        ignore_eos=request.ignore_eos,
+    )
+    if request.HasField("max_tokens"):
+        stopping.max_tokens = request.max_tokens
+    return scheduler_pb2.GenerateRequest(
+        request_id=request_id, prompt_token_ids=prompt, sampling=sampling, stopping=stopping,
+        arrival_time_us=arrival_us,
+    )
+
+
+class ChatServicer(chat_pb2_grpc.ChatServiceServicer):
+    def __init__(self, core: TokenizerCore, scheduler: scheduler_pb2_grpc.SchedulerServiceStub):
+        self.core = core
+        self.scheduler = scheduler
+
+    async def Chat(self, request, context):
+        arrival_us = request.arrival_time_us or time.time_ns() // 1000
+        self.core.check_model(request.model)
+        _reject_unsupported(request)
+        kwargs = json_format.MessageToDict(request.chat_template_kwargs)
+        tools = [] if request.tool_choice.mode == chat_pb2.TOOL_CHOICE_MODE_NONE else request.tools
+        prompt = await self.core.render(request.messages, tools, kwargs)
+        limit = self.core.max_input_tokens
+        if len(prompt.token_ids) > limit:
+            raise ServiceError(
+                grpc.StatusCode.OUT_OF_RANGE,
+                "Failed to enqueue inferRequest. This model's maximum input ids length cannot be greater "
+                f"than {limit},the input ids length is {len(prompt.token_ids)}",
+            )
+        request_id = request.request_id or f"chatcmpl-{uuid.uuid4().hex}"
+        output = ChoiceOutput(self.core.tokenizer, request, request_id, arrival_us // 1_000_000,
+                              len(prompt.token_ids))
+        call = self.scheduler.Generate(_generate_request(request, request_id, prompt.token_ids, arrival_us))
+        has_sent = False
+        try:
+            async for response in call:
+                chunk = output.on_response(response)
+                if chunk is not None:
+                    has_sent = True
+                    yield chat_pb2.ChatResponse(chunk=chunk)
+                if output.is_finished:
+                    return
+            raise ServiceError(grpc.StatusCode.INTERNAL, "the scheduler ended the stream without finishing")
+        except grpc.aio.AioRpcError as exc:
+            if not has_sent:
+                raise ServiceError(exc.code(), exc.details() or exc.code().name) from exc
+            code = CODE_TIMEOUT if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED else CODE_GENERATION_FAILED
+            yield chat_pb2.ChatResponse(chunk=output.error_chunk(code, exc.details() or exc.code().name))
+        finally:
+            # Ends the sequence in the scheduler on a stop string or when our caller went away.
+            call.cancel()
+
+    async def ListModels(self, request, context):
+        core = self.core
+        return chat_pb2.ListModelsResponse(models=[chat_pb2.Model(
+            id=core.config.model_name, root=core.model_root, created=core.created,
+            owned_by="stormserve", max_model_len=core.config.max_seq_len,
+        )])
+
+
+class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
+    def __init__(self, core: TokenizerCore):
+        self.core = core
+
+    async def Tokenize(self, request, context):
+        self.core.check_model(request.model)
+        ids = self.core.tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens)
+        return tokenizer_pb2.TokenizeResponse(
+            token_ids=ids, tokens=self.core.tokenizer.convert_ids_to_tokens(ids)
+        )
+
+    async def Detokenize(self, request, context):
+        self.core.check_model(request.model)
+        text = self.core.tokenizer.decode(list(request.token_ids),
+                                          skip_special_tokens=request.skip_special_tokens)
+        return tokenizer_pb2.DetokenizeResponse(text=text)
+
+    async def ApplyChatTemplate(self, request, context):
+        self.core.check_model(request.model)
+        add = request.add_generation_prompt if request.HasField("add_generation_prompt") else True
+        prompt = await self.core.render(request.messages, request.tools,
+                                        json_format.MessageToDict(request.chat_template_kwargs), add)
+        return tokenizer_pb2.ApplyChatTemplateResponse(prompt=prompt.text, token_ids=prompt.token_ids)

@@ -1,0 +1,207 @@
+"""Paged attention over a packed batch, registered with transformers as
+"stormserve_paged" so any HF causal LM runs on the worker's KV pool unchanged.
+
+The model sees one packed row: input_ids [1, T] holds every sequence's new
+tokens back to back (prefill chunks and single decode tokens mixed). The step's
+layout — which rows belong to which sequence, their KV slots and context
+lengths — is a `PagedStep`, built once per step and handed to every layer
+through the forward kwarg `paged_step` (transformers passes unknown forward
+kwargs down to the attention function).
+
+Per layer the function writes the new K/V into the pool by slot, then:
+- all decode tokens (one new token per sequence) attend in ONE batched SDPA
+  call, over K/V gathered through their block tables and padded to the longest
+  context with a mask;
+- each prefill chunk attends in its own SDPA call, causal within the chunk and
+  over its cached prefix.
+Because this implementation is not in transformers' AttentionMaskInterface,
+transformers builds no [T, T] mask for it (attention_mask arrives as None).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+from services.worker.kv_cache import KVCachePool
+
+ATTENTION_NAME = "stormserve_paged"
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """One sequence with several new tokens: rows [start, end) of the packed batch."""
+
+    start: int
+    end: int
+    num_computed: int
+    # Slots of the whole context (cached prefix + new tokens); None when there is no
+    # cached prefix, so the fresh K/V of the chunk are attended directly.
+    context_slots: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class DecodeBatch:
+    """All sequences with exactly one new token, attended together."""
+
+    rows: torch.Tensor  # [B] packed row of each decode token
+    context_slots: torch.Tensor  # [B, L] slots, padded by repeating the last real slot
+    key_positions: torch.Tensor  # [1, L] 0..L-1
+    query_positions: torch.Tensor  # [B, 1] position of the new token (= context length - 1)
+    mask: torch.Tensor  # [B, 1, 1, L] True where a key is part of the context
+
+
+@dataclass(frozen=True)
+class PagedStep:
+    """Everything the attention function needs to know about one packed step."""
+
+    pool: KVCachePool
+    positions: torch.Tensor  # [T] position of every packed token
+    slot_mapping: torch.Tensor  # [T] pool slot each new token's K/V is written to
+    prefills: tuple[PrefillChunk, ...]
+    decode: DecodeBatch | None
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.shape[0])
+
+
+def build_paged_step(
+    pool: KVCachePool,
+    num_new_tokens: list[int],
+    num_computed_tokens: list[int],
+    block_tables: list[list[int]],
+    device: torch.device,
+) -> PagedStep:
+    """Lay out one step: sequences in the given order, their new tokens back to back.
+
+    Every block table must already cover num_computed + num_new tokens.
+    """
+    block_size = pool.spec.block_size
+    num_seqs = len(num_new_tokens)
+    max_blocks = max(len(t) for t in block_tables)
+    tables = torch.zeros((num_seqs, max_blocks), dtype=torch.long)
+    for i, table in enumerate(block_tables):
+        tables[i, : len(table)] = torch.tensor(table, dtype=torch.long)
+    new = torch.tensor(num_new_tokens, dtype=torch.long)
+    computed = torch.tensor(num_computed_tokens, dtype=torch.long)
+    context = computed + new
+
+    # Row -> (sequence, position), vectorised so big prefills cost no Python loop.
+    seq_of_row = torch.repeat_interleave(torch.arange(num_seqs), new)
+    starts = torch.cumsum(new, 0) - new
+    positions = torch.arange(int(new.sum())) - starts[seq_of_row] + computed[seq_of_row]
+    slot_mapping = _slots(tables[seq_of_row], positions, block_size)
+
+    prefills = []
+    for i in range(num_seqs):
+        if num_new_tokens[i] > 1:
+            start = int(starts[i])
+            context_slots = None
+            if num_computed_tokens[i] > 0:
+                context_positions = torch.arange(int(context[i]))
+                context_slots = _slots(tables[i].expand(len(context_positions), -1), context_positions, block_size).to(device)
+            prefills.append(PrefillChunk(start, start + num_new_tokens[i], num_computed_tokens[i], context_slots))
+
+    decode = None
+    decode_seqs = (new == 1).nonzero().flatten()
+    if len(decode_seqs):
+        lengths = context[decode_seqs]
+        key_positions = torch.arange(int(lengths.max()))[None, :]
+        # Padding reuses each sequence's last real slot: it was written, so it holds
+        # finite values (masked-out NaN garbage would still poison softmax @ V).
+        padded_positions = torch.minimum(key_positions, lengths[:, None] - 1)
+        rows_tables = tables[decode_seqs][:, None, :].expand(-1, key_positions.shape[1], -1)
+        decode = DecodeBatch(
+            rows=starts[decode_seqs].to(device),
+            context_slots=_slots(rows_tables, padded_positions, block_size).to(device),
+            key_positions=key_positions.to(device),
+            query_positions=(lengths - 1)[:, None].to(device),
+            mask=(key_positions < lengths[:, None])[:, None, None, :].to(device),
+        )
+    return PagedStep(pool, positions.to(device), slot_mapping.to(device), tuple(prefills), decode)
+
+
+def _slots(tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Pool slot of each position, given the (row-aligned) block table it belongs to."""
+    blocks = torch.gather(tables, -1, (positions // block_size)[..., None])[..., 0]
+    return blocks * block_size + positions % block_size
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [1, heads, T, head_dim]
+    key: torch.Tensor,  # [1, kv_heads, T, head_dim]
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    paged_step: PagedStep | None = None,
+    sliding_window: int | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """The AttentionInterface entry point; returns [1, T, heads, head_dim] and no weights."""
+    if paged_step is None:
+        raise RuntimeError(f"{ATTENTION_NAME} attention needs the forward kwarg paged_step")
+    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None or hasattr(module, "sinks"):
+        raise NotImplementedError(f"{ATTENTION_NAME}: logit softcapping / attention sinks are not supported")
+    if query.shape[0] != 1:
+        raise ValueError(f"{ATTENTION_NAME} expects one packed row, got batch {query.shape[0]}")
+    step = paged_step
+    layer = module.layer_idx
+    key_cache = step.pool.key_cache[layer]  # [num_slots, kv_heads, head_dim]
+    value_cache = step.pool.value_cache[layer]
+    new_keys = key[0].transpose(0, 1)  # [T, kv_heads, head_dim]
+    new_values = value[0].transpose(0, 1)
+    key_cache.index_copy_(0, step.slot_mapping, new_keys)
+    value_cache.index_copy_(0, step.slot_mapping, new_values)
+
+    gqa = query.shape[1] != key.shape[1]
+    out = query.new_empty((step.num_tokens, query.shape[1], query.shape[3]))  # [T, heads, dim]
+    if step.decode is not None:
+        d = step.decode
+        q = query[0].index_select(1, d.rows).transpose(0, 1)[:, :, None, :]  # [B, heads, 1, dim]
+        k = key_cache[d.context_slots].permute(0, 2, 1, 3)  # [B, kv_heads, L, dim]
+        v = value_cache[d.context_slots].permute(0, 2, 1, 3)
+        mask = d.mask
+        if sliding_window is not None:
+            mask = mask & (d.key_positions > d.query_positions - sliding_window)[:, None, None, :]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)
+        out.index_copy_(0, d.rows, o[:, :, 0, :])
+    for chunk in step.prefills:
+        q = query[:, :, chunk.start : chunk.end]
+        if chunk.context_slots is None:
+            k, v = key[:, :, chunk.start : chunk.end], value[:, :, chunk.start : chunk.end]
+        else:
+            k = key_cache[chunk.context_slots].permute(1, 0, 2)[None]
+            v = value_cache[chunk.context_slots].permute(1, 0, 2)[None]
+        mask = _prefill_mask(chunk, k.shape[2], sliding_window, query.device)
+        o = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scaling, enable_gqa=gqa
+        )
+        out[chunk.start : chunk.end] = o[0].transpose(0, 1)
+    return out[None], None
+
+
+def _prefill_mask(
+    chunk: PrefillChunk, context_len: int, sliding_window: int | None, device: torch.device
+) -> torch.Tensor | None:
+    """None when SDPA's own is_causal is exact (no cached prefix, no effective window)."""
+    num_new = chunk.end - chunk.start
+    windowed = sliding_window is not None and sliding_window < context_len
+    if chunk.num_computed == 0 and not windowed:
+        return None
+    query_positions = torch.arange(chunk.num_computed, context_len, device=device)[:, None]
+    key_positions = torch.arange(context_len, device=device)[None, :]
+    mask = key_positions <= query_positions
+    if windowed:
+        mask &= key_positions > query_positions - sliding_window
+    return mask.view(1, 1, num_new, context_len)
+
+
+def register() -> str:
+    """Make the implementation known to transformers; returns its name for attn_implementation."""
+    AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
+    return ATTENTION_NAME

@@ -1,0 +1,39 @@
+"""The worker's one typed config: flags, environment (STORMSERVE_*), defaults."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.common.config import require, setting
+
+DEVICES = ("auto", "cpu", "cuda", "npu")
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """stormserve worker: runs the model one engine step at a time."""
+
+    host: str = setting("127.0.0.1", "address to listen on")
+    port: int = setting(50053, "gRPC port (0 picks a free one)")
+    model_path: str = setting(
+        "", "HF model directory or .gguf file; empty = bundled SmolLM2-135M-Instruct",
+        alias="modelWeightPath",
+    )
+    device: str = setting("auto", "auto, cpu, cuda or npu (auto: cuda, then npu, then cpu)")
+    dtype: str = setting("bfloat16", "weight and KV cache dtype: bfloat16, float16 or float32")
+    cache_block_size: int = setting(16, "tokens per KV cache block", alias="cacheBlockSize")
+    kv_cache_mib: int = setting(1024, "memory budget of the KV cache pool in MiB")
+    max_batch_size: int = setting(64, "most sequences in one step", alias="maxBatchSize")
+    num_threads: int = setting(0, "torch intra-op CPU threads; 0 = torch default")
+
+    def __post_init__(self) -> None:
+        require(0 <= self.port <= 65535, f"port must be in [0, 65535], got {self.port}")
+        require(self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}")
+        require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        require(
+            1 <= self.cache_block_size <= 128,
+            f"cache_block_size must be in [1, 128], got {self.cache_block_size}",
+        )
+        require(self.kv_cache_mib >= 1, f"kv_cache_mib must be >= 1, got {self.kv_cache_mib}")
+        require(self.max_batch_size >= 1, f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        require(self.num_threads >= 0, f"num_threads must be >= 0, got {self.num_threads}")

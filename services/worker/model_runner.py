@@ -1,0 +1,275 @@
+"""Runs the model one step at a time over the paged KV cache.
+
+A step: release finished sequences, check the batch against what the worker
+holds, grow block tables, pack every sequence's new tokens into one row, run
+the HF model once (logits only for the last token of each sampling sequence),
+sample on the device, and commit the new cache lengths.
+
+Not thread-safe by design: the server calls `step` from one worker thread.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import torch
+from transformers import AutoModelForCausalLM
+from transformers.utils import logging as hf_logging
+
+from services.common.errors import ServiceError, invalid_argument
+from services.worker import attention, sampler
+from services.worker.backend import Backend, torch_dtype
+from services.worker.kv_cache import BlockAllocator, KVCachePool, KVCacheSpec
+from services.worker.penalties import apply_penalties
+from services.worker.sequence import SampledToken, SamplingParams, SequenceInput, StepResult
+
+log = logging.getLogger(__name__)
+
+# A seq_id the scheduler will not use, for the start-up warm-up step.
+WARM_UP_SEQ_ID = 2**64 - 1
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """The model's own sampling defaults; None where generation_config sets none."""
+
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    repetition_penalty: float | None = None
+
+
+@dataclass(frozen=True)
+class ModelDescription:
+    model_path: str
+    vocab_size: int
+    eos_token_ids: list[int]
+    max_position_embeddings: int  # 0 = the config does not say
+    device: str
+    dtype: str
+    num_kv_blocks: int
+    block_size: int
+    max_batch_size: int
+    sampling_defaults: SamplingDefaults
+
+
+@dataclass
+class SequenceState:
+    """What the worker keeps about a live sequence between steps."""
+
+    sampling: SamplingParams
+    generator: torch.Generator | None  # None for greedy sequences
+    num_cached_tokens: int = 0
+    # Token history, kept only for sequences with penalties.
+    prompt_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
+
+
+def _token_ids(value) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_dir: Path,
+        backend: Backend,
+        dtype: str,
+        block_size: int,
+        kv_cache_bytes: int,
+        max_batch_size: int,
+    ):
+        self.model_dir = model_dir
+        self.backend = backend
+        self.dtype_name = dtype
+        self.max_batch_size = max_batch_size
+        dtype_t = torch_dtype(dtype)
+        started = time.monotonic()
+        hf_logging.disable_progress_bar()
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=dtype_t, attn_implementation=attention.register()
+        ).to(backend.device)
+        self.model.eval()
+        config = self.model.config.get_text_config()
+        self.vocab_size: int = self.model.get_input_embeddings().num_embeddings
+        self.max_position_embeddings: int = getattr(config, "max_position_embeddings", None) or 0
+        with torch.inference_mode():
+            spec = KVCacheSpec.from_model_config(self.model.config, block_size, dtype_t)
+            self.kv_pool = KVCachePool.from_budget(spec, kv_cache_bytes, backend.device)
+        self.blocks = BlockAllocator(self.kv_pool.num_blocks, block_size)
+        self.sequences: dict[int, SequenceState] = {}
+        log.info(
+            "loaded %s (%s, %s) in %.2f s",
+            model_dir.name, type(self.model).__name__, dtype, time.monotonic() - started,
+        )
+
+    def describe(self) -> ModelDescription:
+        generation = self.model.generation_config
+        eos = _token_ids(generation.eos_token_id) + _token_ids(self.model.config.eos_token_id)
+        return ModelDescription(
+            model_path=str(self.model_dir),
+            vocab_size=int(self.model.config.get_text_config().vocab_size),
+            eos_token_ids=list(dict.fromkeys(eos)),
+            max_position_embeddings=self.max_position_embeddings,
+            device=self.backend.name,
+            dtype=self.dtype_name,
+            num_kv_blocks=self.kv_pool.num_blocks,
+            block_size=self.blocks.block_size,
+            max_batch_size=self.max_batch_size,
+            sampling_defaults=SamplingDefaults(
+                temperature=generation.temperature,
+                top_k=generation.top_k,
+                top_p=generation.top_p,
+                repetition_penalty=generation.repetition_penalty,
+            ),
+        )
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.blocks.num_free_blocks
+
+    def release(self, seq_id: int) -> None:
+        """Forget a sequence: free its blocks and sampling state (unknown ids: no-op)."""
+        self.blocks.release(seq_id)
+        self.sequences.pop(seq_id, None)
+
+    @torch.inference_mode()
+    def step(self, inputs: list[SequenceInput], release_seq_ids: list[int] = ()) -> StepResult:
+        started = time.perf_counter()
+        for seq_id in release_seq_ids:
+            self.release(seq_id)
+        if not inputs:
+            return StepResult([], int((time.perf_counter() - started) * 1e6))
+        self._validate(inputs)
+        self.blocks.allocate({s.seq_id: s.num_computed_tokens + len(s.token_ids) for s in inputs})
+        for s in inputs:
+            if s.seq_id not in self.sequences:
+                self.sequences[s.seq_id] = self._new_state(s.sampling)
+
+        logits = self._forward(inputs)
+        sampling_inputs = [s for s in inputs if s.sample]
+        states = [self.sequences[s.seq_id] for s in inputs]
+        for s, state in zip(inputs, states):
+            if state.sampling.has_penalties:
+                self._record_fed_tokens(state, s)
+            state.num_cached_tokens = s.num_computed_tokens + len(s.token_ids)
+
+        tokens: list[SampledToken] = []
+        if sampling_inputs:
+            tokens = self._sample(logits, sampling_inputs)
+        self.backend.synchronize()
+        return StepResult(tokens, int((time.perf_counter() - started) * 1e6))
+
+    def _validate(self, inputs: list[SequenceInput]) -> None:
+        """Check the whole step before touching any state, so a bad step changes nothing."""
+        if len(inputs) > self.max_batch_size:
+            raise invalid_argument(f"step has {len(inputs)} sequences; max_batch_size is {self.max_batch_size}")
+        seen: set[int] = set()
+        for s in inputs:
+            if s.seq_id in seen:
+                raise invalid_argument(f"seq {s.seq_id} appears twice in one step")
+            seen.add(s.seq_id)
+            if not s.token_ids:
+                raise invalid_argument(f"seq {s.seq_id}: token_ids is empty")
+            if min(s.token_ids) < 0 or max(s.token_ids) >= self.vocab_size:
+                raise invalid_argument(f"seq {s.seq_id}: token id outside [0, {self.vocab_size})")
+            state = self.sequences.get(s.seq_id)
+            if state is None:
+                if s.sampling is None:
+                    raise invalid_argument(f"seq {s.seq_id}: sampling is required on its first step")
+                s.sampling.validate()
+                if s.num_computed_tokens != 0:
+                    raise invalid_argument(
+                        f"seq {s.seq_id} is new to this worker but num_computed_tokens is {s.num_computed_tokens}"
+                    )
+            elif s.num_computed_tokens != state.num_cached_tokens:
+                raise invalid_argument(
+                    f"seq {s.seq_id}: num_computed_tokens {s.num_computed_tokens} but the worker "
+                    f"holds {state.num_cached_tokens} tokens"
+                )
+            context = s.num_computed_tokens + len(s.token_ids)
+            if self.max_position_embeddings and context > self.max_position_embeddings:
+                raise invalid_argument(
+                    f"seq {s.seq_id}: {context} tokens exceed the model's {self.max_position_embeddings}"
+                )
+
+    def _new_state(self, sampling: SamplingParams) -> SequenceState:
+        generator = None
+        if not sampling.is_greedy:
+            # Seeded once: the sequence's draws depend on its seed alone, not on the batch.
+            generator = torch.Generator(device=self.backend.device)
+            generator.manual_seed(sampling.seed)
+        return SequenceState(sampling=sampling, generator=generator)
+
+    def _forward(self, inputs: list[SequenceInput]) -> torch.Tensor:
+        device = self.backend.device
+        step = attention.build_paged_step(
+            self.kv_pool,
+            [len(s.token_ids) for s in inputs],
+            [s.num_computed_tokens for s in inputs],
+            [self.blocks.block_table(s.seq_id) for s in inputs],
+            device,
+        )
+        flat_ids = [t for s in inputs for t in s.token_ids]
+        input_ids = torch.tensor([flat_ids], dtype=torch.long, device=device)
+        # Logits only for each sampling sequence's last new token: the lm_head over
+        # the whole vocab is the costliest matmul of a decode step.
+        last_rows, end = [], 0
+        for s in inputs:
+            end += len(s.token_ids)
+            if s.sample:
+                last_rows.append(end - 1)
+        output = self.model(
+            input_ids=input_ids,
+            position_ids=step.positions[None],
+            use_cache=False,
+            logits_to_keep=torch.tensor(last_rows, dtype=torch.long, device=device),
+            paged_step=step,
+        )
+        return output.logits[0]  # [num sampling sequences, vocab]
+
+    def _record_fed_tokens(self, state: SequenceState, s: SequenceInput) -> None:
+        # A fed token at a position the worker already sampled is that sample coming back.
+        known = len(state.prompt_token_ids) + len(state.output_token_ids)
+        skip = max(0, known - s.num_computed_tokens)
+        state.prompt_token_ids.extend(s.token_ids[skip:])
+
+    def _sample(self, logits: torch.Tensor, inputs: list[SequenceInput]) -> list[SampledToken]:
+        states = [self.sequences[s.seq_id] for s in inputs]
+        params = [st.sampling for st in states]
+        if any(p.has_penalties for p in params):
+            logits = apply_penalties(
+                logits.float(),
+                params,
+                [st.prompt_token_ids for st in states],
+                [st.output_token_ids for st in states],
+            )
+        out = sampler.sample(logits, params, [st.generator for st in states])
+        tokens = []
+        for i, (s, state) in enumerate(zip(inputs, states)):
+            if state.sampling.has_penalties:
+                state.output_token_ids.append(out.token_ids[i])
+            tokens.append(SampledToken(s.seq_id, out.token_ids[i], out.logprobs[i], out.top_logprobs[i]))
+        return tokens
+
+    def warm_up(self) -> None:
+        """Run one tiny prefill + decode so the first real step pays no one-off costs."""
+        greedy = SamplingParams(temperature=0.0, top_logprobs=1)
+        try:
+            first = self.step([SequenceInput(WARM_UP_SEQ_ID, [0, 1, 2], 0, True, greedy)])
+            token = first.tokens[0].token_id
+            self.step([SequenceInput(WARM_UP_SEQ_ID, [token], 3, True, None)])
+        finally:
+            self.release(WARM_UP_SEQ_ID)
+
+
+def kv_budget_bytes(kv_cache_mib: int) -> int:
+    return kv_cache_mib * 2**20
+
+
+__all__ = ["ModelRunner", "ModelDescription", "SamplingDefaults", "ServiceError", "grpc"]

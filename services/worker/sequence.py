@@ -1,0 +1,100 @@
+"""What one step carries per sequence, in and out: plain dataclasses that the
+core logic uses; convert.py maps them to and from protobuf."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from services.common.errors import invalid_argument
+
+# OpenAI caps top_logprobs at 20; more costs a wide top-k per step for nothing.
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-sequence sampling settings with defaults already resolved by the caller."""
+
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    seed: int = 0
+    repetition_penalty: float = 1.0  # 1 = off
+    presence_penalty: float = 0.0  # 0 = off
+    frequency_penalty: float = 0.0  # 0 = off
+    top_logprobs: int = -1  # -1 = no logprobs; 0 = the chosen token's only; n = plus n alternatives
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+    def validate(self) -> None:
+        """Raise INVALID_ARGUMENT for values the sampler cannot honour."""
+        _check(math.isfinite(self.temperature) and self.temperature >= 0, "temperature must be >= 0")
+        _check(self.top_k >= 0, "top_k must be >= 0")
+        _check(0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]")
+        _check(0 <= self.seed < 2**64, "seed must fit in 64 bits")
+        _check(0.0 < self.repetition_penalty <= 2.0, "repetition_penalty must be in (0, 2]")
+        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]")
+        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]")
+        _check(
+            -1 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
+            f"top_logprobs must be in [-1, {MAX_TOP_LOGPROBS}]",
+        )
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise invalid_argument(message)
+
+
+@dataclass(frozen=True)
+class SequenceInput:
+    """One sequence's part of a step.
+
+    token_ids: the tokens to feed — the prompt (or a chunk of it) first, then the
+    last sampled token. num_computed_tokens: how many of the sequence's tokens the
+    KV cache already holds (the position of token_ids[0]). sample: whether to
+    sample after these tokens. sampling: required on the sequence's first step,
+    ignored after (the worker keeps the first one until release).
+    """
+
+    seq_id: int
+    token_ids: list[int]
+    num_computed_tokens: int
+    sample: bool
+    sampling: SamplingParams | None = None
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token with its natural-log probability."""
+
+    token_id: int
+    logprob: float
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    """The token sampled for one sequence in a step."""
+
+    seq_id: int
+    token_id: int
+    logprob: float | None = None  # set when top_logprobs >= 0
+    top_logprobs: list[TokenLogprob] = field(default_factory=list)  # best first
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """A step's sampled tokens (request order) and how long it ran."""
+
+    tokens: list[SampledToken]
+    execute_time_us: int

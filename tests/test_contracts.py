@@ -1,0 +1,48 @@
+"""The protobuf contracts: buf lint, buf breaking against the previous commit,
+and the generated stubs import."""
+from __future__ import annotations
+
+import importlib
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BUF = ROOT / "node_modules" / ".bin" / "buf"
+PACKAGES = ["chat", "tokenizer", "scheduler", "worker"]
+
+
+def run(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+def test_buf_lint():
+    result = run(str(BUF), "lint")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_buf_breaking_against_previous_commit(tmp_path):
+    previous = run("git", "rev-parse", "--verify", "--quiet", "HEAD~1^{commit}")
+    if previous.returncode != 0:
+        pytest.skip("no previous commit to compare with")
+    rev = previous.stdout.strip()
+    if run("git", "cat-file", "-e", f"{rev}:proto").returncode != 0:
+        pytest.skip("the previous commit has no protos yet")
+    archive = subprocess.run(["git", "archive", rev, "proto", "buf.yaml"], cwd=ROOT, capture_output=True,
+                             check=True)
+    subprocess.run(["tar", "-x", "-C", str(tmp_path)], input=archive.stdout, check=True)
+    shutil.copytree(ROOT / "build" / "third_party", tmp_path / "build" / "third_party")
+    image = tmp_path / "previous.binpb"
+    built = run(str(BUF), "build", str(tmp_path), "-o", str(image))
+    assert built.returncode == 0, built.stderr
+    result = run(str(BUF), "breaking", "--against", str(image))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_generated_stubs_import(package):
+    pb2 = importlib.import_module(f"stormserve.{package}.v1.{package}_pb2")
+    importlib.import_module(f"stormserve.{package}.v1.{package}_pb2_grpc")
+    assert pb2.DESCRIPTOR.services_by_name, f"{package} defines no service"

@@ -1,0 +1,167 @@
+"""Batching policy on a fake worker: admission, continuous batching, accounting."""
+from __future__ import annotations
+
+import pytest
+
+from services.scheduler.policy import BatchPolicy, CapacityError, SampledToken, WorkerCapacity
+from services.scheduler.sequence import (
+    FinishReason,
+    SamplingParams,
+    Sequence,
+    SequenceStatus,
+    StoppingCriteria,
+)
+
+EOS = 2
+
+
+def make_policy(num_blocks=100, block_size=4, max_batch_size=8, max_prefill_tokens=1000):
+    capacity = WorkerCapacity(num_kv_blocks=num_blocks, block_size=block_size, max_batch_size=64,
+                              eos_token_ids=frozenset({EOS}))
+    return BatchPolicy(capacity, max_batch_size, max_prefill_tokens)
+
+
+def make_seq(seq_id, prompt_len=5, max_tokens=4, arrival_us=1_000, **stopping):
+    return Sequence(seq_id=seq_id, request_id=f"r{seq_id}", prompt_token_ids=list(range(10, 10 + prompt_len)),
+                    sampling=SamplingParams(), stopping=StoppingCriteria(max_tokens=max_tokens, **stopping),
+                    arrival_us=arrival_us)
+
+
+class FakeWorker:
+    """Samples a fixed token for every sequence and records what it was fed."""
+
+    def __init__(self, token=7):
+        self.token = token
+        self.fed: list[list[tuple[int, list[int], int]]] = []
+        self.released: list[int] = []
+
+    def step(self, plan):
+        self.fed.append([(s.seq_id, s.tokens_to_feed(), s.num_computed_tokens) for s in plan.sequences])
+        self.released.extend(plan.release_seq_ids)
+        return {s.seq_id: SampledToken(s.seq_id, self.token) for s in plan.sequences}
+
+
+def run_step(policy, worker, started=2_000, finished=3_000):
+    plan = policy.schedule()
+    if plan is None:
+        return None, []
+    return plan, policy.postprocess(plan, worker.step(plan), started, finished)
+
+
+def test_prefill_then_decode_feeds_the_right_tokens():
+    policy, worker = make_policy(), FakeWorker()
+    policy.add(make_seq(1, prompt_len=3, max_tokens=3))
+    run_step(policy, worker)
+    run_step(policy, worker)
+    assert worker.fed[0] == [(1, [10, 11, 12], 0)]
+    assert worker.fed[1] == [(1, [7], 3)]
+
+
+def test_new_request_joins_running_batch_between_steps():
+    policy, worker = make_policy(), FakeWorker()
+    policy.add(make_seq(1, max_tokens=10))
+    run_step(policy, worker)
+    policy.add(make_seq(2, max_tokens=10))
+    plan, _ = run_step(policy, worker)
+    assert [s.seq_id for s in plan.sequences] == [1, 2]
+    assert plan.batch_size == 2
+
+
+def test_finished_sequence_leaves_and_is_released():
+    policy, worker = make_policy(), FakeWorker()
+    policy.add(make_seq(1, max_tokens=1))
+    policy.add(make_seq(2, max_tokens=3))
+    _, events = run_step(policy, worker)
+    done = {seq.seq_id: seq.finish_reason for seq, _ in events if seq.is_finished}
+    assert done == {1: FinishReason.LENGTH}
+    plan, _ = run_step(policy, worker)
+    assert [s.seq_id for s in plan.sequences] == [2]
+    assert plan.release_seq_ids == [1]
+
+
+def test_eos_stops_unless_ignored_and_stop_token_ids_stop():
+    policy, worker = make_policy(), FakeWorker(token=EOS)
+    policy.add(make_seq(1, max_tokens=5))
+    policy.add(make_seq(2, max_tokens=5, ignore_eos=True))
+    _, events = run_step(policy, worker)
+    by_id = {seq.seq_id: seq for seq, _ in events}
+    assert by_id[1].finish_reason is FinishReason.STOP and by_id[1].ended_by_stop_token
+    assert not by_id[2].is_finished
+
+    policy, worker = make_policy(), FakeWorker(token=7)
+    policy.add(make_seq(3, max_tokens=5, stop_token_ids=frozenset({7})))
+    _, events = run_step(policy, worker)
+    assert events[0][0].finish_reason is FinishReason.STOP
+
+
+def test_batch_limit_and_fcfs_order():
+    policy, worker = make_policy(max_batch_size=2), FakeWorker()
+    for i in range(1, 5):
+        policy.add(make_seq(i, max_tokens=2))
+    plan, _ = run_step(policy, worker)
+    assert [s.seq_id for s in plan.sequences] == [1, 2]
+    assert [s.seq_id for s in policy.waiting] == [3, 4]
+
+
+def test_prefill_token_budget_admits_at_least_one():
+    policy, worker = make_policy(max_prefill_tokens=8), FakeWorker()
+    policy.add(make_seq(1, prompt_len=20))
+    policy.add(make_seq(2, prompt_len=5))
+    plan, _ = run_step(policy, worker)
+    assert [s.seq_id for s in plan.sequences] == [1]
+
+
+def test_kv_capacity_is_reserved_and_returned():
+    # 10 blocks of 4 tokens; each sequence needs ceil((5 + 7) / 4) = 3 blocks.
+    policy, worker = make_policy(num_blocks=10, block_size=4), FakeWorker()
+    for i in range(1, 5):
+        policy.add(make_seq(i, prompt_len=5, max_tokens=7))
+    plan, _ = run_step(policy, worker)
+    assert len(plan.sequences) == 3 and policy.num_free_blocks == 1
+    while policy.has_work():
+        run_step(policy, worker)
+    assert policy.num_free_blocks == 10
+    assert sorted(worker.released) == [1, 2, 3, 4]
+
+
+def test_request_that_can_never_fit_is_rejected_up_front():
+    policy = make_policy(num_blocks=2, block_size=4)
+    with pytest.raises(CapacityError):
+        policy.add(make_seq(1, prompt_len=5, max_tokens=4))
+
+
+def test_abort_waiting_and_running_frees_everything():
+    policy, worker = make_policy(num_blocks=6, block_size=4), FakeWorker()
+    policy.add(make_seq(1, max_tokens=7))
+    policy.add(make_seq(2, max_tokens=7))  # 3 + 3 blocks: both run
+    policy.add(make_seq(3, max_tokens=7))  # does not fit yet
+    run_step(policy, worker)
+    waiting, running = policy.waiting[0], policy.running[0]
+    policy.finish(waiting, FinishReason.ABORT)
+    policy.finish(running, FinishReason.ABORT)
+    assert waiting.status is SequenceStatus.FINISHED and not policy.waiting
+    while policy.has_work():
+        run_step(policy, worker)
+    assert policy.num_free_blocks == 6
+    assert sorted(worker.released) == [1, 2]
+
+
+def test_abort_during_step_is_skipped_and_released():
+    policy, worker = make_policy(), FakeWorker()
+    policy.add(make_seq(1, max_tokens=5))
+    plan = policy.schedule()
+    policy.finish(plan.sequences[0], FinishReason.ABORT)  # the client left mid-step
+    events = policy.postprocess(plan, worker.step(plan), 0, 1)
+    assert events == []
+    plan = policy.schedule()
+    assert plan.sequences == [] and plan.release_seq_ids == [1]
+
+
+def test_per_token_statistics():
+    policy, worker = make_policy(), FakeWorker()
+    policy.add(make_seq(1, arrival_us=1_000, max_tokens=5))
+    policy.add(make_seq(2, arrival_us=1_500, max_tokens=5))
+    _, events = run_step(policy, worker, started=2_000, finished=12_000)
+    assert [(e.batch_size, e.queue_wait_us, e.latency_ms) for _, e in events] == [(2, 1000, 11.0), (2, 500, 10.5)]
+    _, events = run_step(policy, worker, started=12_400, finished=20_000)
+    assert [(e.queue_wait_us, e.latency_ms) for _, e in events] == [(400, 8.0), (400, 8.0)]

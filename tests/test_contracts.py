@@ -34,10 +34,11 @@ def test_buf_breaking_against_previous_commit(tmp_path):
                              check=True)
     subprocess.run(["tar", "-x", "-C", str(tmp_path)], input=archive.stdout, check=True)
     shutil.copytree(ROOT / "build" / "third_party", tmp_path / "build" / "third_party")
-    image = tmp_path / "previous.binpb"
-    built = run(str(BUF), "build", str(tmp_path), "-o", str(image))
-    assert built.returncode == 0, built.stderr
-    result = run(str(BUF), "breaking", "--against", str(image))
+    previous_image, current_image = tmp_path / "previous.binpb", tmp_path / "current.binpb"
+    for source, image in ((tmp_path, previous_image), (ROOT, current_image)):
+        built = run(str(BUF), "build", str(source), "-o", str(image))
+        assert built.returncode == 0, built.stderr
+    result = run(str(BUF), "breaking", str(current_image), "--against", str(previous_image))
     assert result.returncode == 0, result.stdout + result.stderr
 
 

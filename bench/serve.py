@@ -1,0 +1,181 @@
+"""Serving benchmark for any OpenAI-compatible /v1/chat/completions endpoint.
+
+A fixed, seeded synthetic dataset (no downloads); closed-loop concurrency
+levels (`--concurrency 1,8,32`) and open-loop Poisson request rates
+(`--rates 2,4`); per request: time to first token, inter-token latency and
+end-to-end latency; per level: medians and percentiles and output tokens/s.
+Results go to a JSON file and a printed table. The same command measures us
+and a peer: point --base-url at either.
+
+    python -m bench.serve --base-url http://127.0.0.1:8000 --model SmolLM2-135M-Instruct \
+        --concurrency 1,8 --num-requests 16 --input-len 200 --output-len 128
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+WORDS = ("time person year way day thing man world life hand part child eye woman place work week case "
+         "point government company number group problem fact water light river city story music house").split()
+
+
+def make_prompts(n: int, input_len: int, seed: int) -> list[str]:
+    """Seeded word salad; about 1.3 tokens per word for BPE vocabularies."""
+    rng = random.Random(seed)
+    words = max(1, int(input_len / 1.3))
+    return [f"Request {i}: " + " ".join(rng.choice(WORDS) for _ in range(words)) for i in range(n)]
+
+
+@dataclass
+class RequestResult:
+    ttft_s: float = 0.0
+    e2e_s: float = 0.0
+    itl_s: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    error: str = ""
+
+
+async def one_request(client: httpx.AsyncClient, args, prompt: str) -> RequestResult:
+    body = {"model": args.model, "messages": [{"role": "user", "content": prompt}], "stream": True,
+            "max_tokens": args.output_len, "temperature": 0,
+            "stream_options": {"include_usage": True}}
+    if args.ignore_eos:
+        body["ignore_eos"] = True
+        if args.eos_token_id is not None:  # peers without ignore_eos: suppress EOS by logit_bias
+            body["logit_bias"] = {str(args.eos_token_id): -100}
+    result = RequestResult()
+    start = last = time.perf_counter()
+    try:
+        async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    result.output_tokens = chunk["usage"]["completion_tokens"]
+                if not any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
+                    continue
+                now = time.perf_counter()
+                if result.ttft_s == 0.0:
+                    result.ttft_s = now - start
+                else:
+                    result.itl_s.append(now - last)
+                last = now
+    except httpx.HTTPError as exc:
+        result.error = repr(exc)
+    result.e2e_s = time.perf_counter() - start
+    return result
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"p50": 0.0, "p90": 0.0, "p99": 0.0, "mean": 0.0}
+    ordered = sorted(values)
+    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
+    return {"p50": statistics.median(ordered), "p90": pick(0.9), "p99": pick(0.99),
+            "mean": statistics.fmean(ordered)}
+
+
+class Progress:
+    def __init__(self, total: int, label: str):
+        self.total, self.done, self.label = total, 0, label
+
+    def tick(self) -> None:
+        self.done += 1
+        filled = int(30 * self.done / self.total)
+        print(f"\r{self.label} [{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total}",
+              end="" if self.done < self.total else "\n", file=sys.stderr, flush=True)
+
+
+async def run_level(args, prompts: list[str], concurrency: int | None, rate: float | None) -> dict:
+    label = f"concurrency {concurrency}" if concurrency else f"rate {rate}/s"
+    progress = Progress(len(prompts), label)
+    limits = httpx.Limits(max_connections=max(64, concurrency or 64))
+    async with httpx.AsyncClient(base_url=args.base_url, timeout=args.timeout, limits=limits) as client:
+        # Warm-up, excluded from the figures.
+        await one_request(client, args, prompts[0])
+        gate = asyncio.Semaphore(concurrency or len(prompts))
+        rng = random.Random(args.seed)
+
+        async def worker(prompt: str, delay: float) -> RequestResult:
+            await asyncio.sleep(delay)
+            async with gate:
+                result = await one_request(client, args, prompt)
+            progress.tick()
+            return result
+
+        delays, t = [], 0.0
+        for _ in prompts:
+            delays.append(t)
+            if rate:
+                t += rng.expovariate(rate)
+        started = time.perf_counter()
+        results = await asyncio.gather(*(worker(p, d) for p, d in zip(prompts, delays)))
+        elapsed = time.perf_counter() - started
+    ok = [r for r in results if not r.error]
+    tokens = sum(r.output_tokens for r in ok)
+    return {
+        "level": label, "concurrency": concurrency, "rate": rate, "requests": len(results),
+        "errors": [r.error for r in results if r.error][:5], "num_errors": len(results) - len(ok),
+        "duration_s": elapsed, "output_tokens": tokens, "output_tok_per_s": tokens / elapsed,
+        "ttft_s": percentiles([r.ttft_s for r in ok]),
+        "itl_s": percentiles([x for r in ok for x in r.itl_s]),
+        "e2e_s": percentiles([r.e2e_s for r in ok]),
+    }
+
+
+def print_table(levels: list[dict]) -> None:
+    header = f"{'level':<18}{'req':>5}{'err':>5}{'tok/s':>9}{'TTFT p50':>10}{'TTFT p90':>10}" \
+             f"{'ITL p50':>9}{'ITL p90':>9}{'E2E p50':>9}{'E2E p90':>9}"
+    print(header)
+    for lv in levels:
+        print(f"{lv['level']:<18}{lv['requests']:>5}{lv['num_errors']:>5}{lv['output_tok_per_s']:>9.1f}"
+              f"{lv['ttft_s']['p50']:>9.3f}s{lv['ttft_s']['p90']:>9.3f}s"
+              f"{lv['itl_s']['p50'] * 1000:>7.1f}ms{lv['itl_s']['p90'] * 1000:>7.1f}ms"
+              f"{lv['e2e_s']['p50']:>8.2f}s{lv['e2e_s']['p90']:>8.2f}s")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
+    parser.add_argument("--model", default="SmolLM2-135M-Instruct")
+    parser.add_argument("--concurrency", default="1,8", help="comma list of closed-loop levels")
+    parser.add_argument("--rates", default="", help="comma list of open-loop request rates (req/s)")
+    parser.add_argument("--num-requests", type=int, default=16, help="requests per level")
+    parser.add_argument("--input-len", type=int, default=200, help="approximate prompt tokens")
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--eos-token-id", type=int, default=None,
+                        help="also suppress this id by logit_bias (for peers without ignore_eos)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument("--out", default="bench/results/latest.json")
+    args = parser.parse_args()
+    levels = []
+    for c in filter(None, args.concurrency.split(",")):
+        prompts = make_prompts(args.num_requests, args.input_len, args.seed)
+        levels.append(asyncio.run(run_level(args, prompts, int(c), None)))
+    for r in filter(None, args.rates.split(",")):
+        prompts = make_prompts(args.num_requests, args.input_len, args.seed)
+        levels.append(asyncio.run(run_level(args, prompts, None, float(r))))
+    print_table(levels)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"args": vars(args), "levels": levels}, indent=2))
+    print(f"results: {out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,200 @@
+"""The whole chain on the real model, through the official openai client and raw HTTP."""
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import MODEL
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def parse_sse(body: bytes) -> list[str]:
+    """Split an SSE body into its data payloads, checking the framing byte for byte."""
+    assert body.endswith(b"data: [DONE]\n\n"), body[-200:]
+    events = body.split(b"\n\n")
+    assert events[-1] == b"", "the body must end with a blank-line separator"
+    payloads = []
+    for event in events[:-1]:
+        assert event.startswith(b"data: "), event[:80]
+        assert b"\n" not in event, "one data line per event, no other fields"
+        payloads.append(event[len(b"data: "):].decode())
+    assert payloads[-1] == "[DONE]" and "[DONE]" not in payloads[:-1]
+    return payloads[:-1]
+
+
+def test_models_and_health(base_url):
+    assert httpx.get(base_url + "/health").status_code == 200
+    models = httpx.get(base_url + "/v1/models").json()
+    assert models["object"] == "list"
+    assert [m["id"] for m in models["data"]] == [MODEL]
+
+
+def test_non_stream_shape_and_statistics(openai_client):
+    reply = openai_client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=30)
+    choice = reply.choices[0]
+    assert reply.object == "chat.completion" and reply.model == MODEL
+    assert choice.index == 0 and choice.message.role == "assistant"
+    assert "Paris" in choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+    usage = reply.usage
+    assert usage.prompt_tokens > 5 and usage.completion_tokens > 0
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert usage.prompt_tokens_details.cached_tokens == 0
+    extra = reply.model_extra
+    assert len(usage.model_extra["batch_size"]) == usage.completion_tokens
+    assert len(usage.model_extra["queue_wait_time"]) == usage.completion_tokens
+    assert all(b >= 1 for b in usage.model_extra["batch_size"])
+    assert extra["prefill_time"] > 0
+    assert len(extra["decode_time_arr"]) == usage.completion_tokens - 1
+
+
+def test_stream_framing_byte_for_byte(base_url):
+    request = {"model": MODEL, "messages": QUESTION, "stream": True, "temperature": 0, "max_tokens": 20}
+    with httpx.stream("POST", base_url + "/v1/chat/completions", json=request, timeout=120) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        body = b"".join(response.iter_bytes())
+    chunks = [json.loads(p) for p in parse_sse(body)]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert len({c["id"] for c in chunks}) == 1 and len({c["created"] for c in chunks}) == 1
+    for chunk in chunks[:-1]:
+        assert chunk["choices"][0]["finish_reason"] is None and "usage" not in chunk
+        assert chunk["choices"][0]["delta"]["role"] == "assistant"
+    last = chunks[-1]
+    assert last["choices"][0]["finish_reason"] in ("stop", "length")
+    usage = last["usage"]
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert len(usage["batch_size"]) == len(usage["queue_wait_time"]) == usage["completion_tokens"]
+
+
+def test_stream_equals_non_stream_under_greedy(openai_client):
+    kwargs = dict(model=MODEL, messages=QUESTION, temperature=0, max_tokens=25)
+    full = openai_client.chat.completions.create(**kwargs).choices[0].message.content
+    stream = openai_client.chat.completions.create(stream=True, **kwargs)
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == full
+
+
+def test_greedy_is_deterministic(openai_client):
+    outputs = {
+        openai_client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0,
+                                              max_tokens=30).choices[0].message.content
+        for _ in range(2)
+    }
+    assert len(outputs) == 1
+
+
+def test_seed_reproduces_and_differs_across_seeds(openai_client):
+    def sample(seed):
+        return openai_client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Tell me a short story."}],
+            temperature=1.0, top_p=0.95, top_k=50, seed=seed, max_tokens=30,
+        ).choices[0].message.content
+
+    assert sample(1234) == sample(1234)
+    assert len({sample(s) for s in (1, 2, 3)}) > 1
+
+
+def test_max_tokens_gives_length(openai_client):
+    reply = openai_client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Count from 1 to 100."}], max_tokens=5,
+        extra_body={"ignore_eos": True},
+    )
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.usage.completion_tokens == 5
+
+
+def test_eight_concurrent_streams_all_complete(openai_client):
+    prompts = [f"Write one sentence about the number {i}." for i in range(8)]
+
+    def run(prompt):
+        stream = openai_client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": prompt}], stream=True, max_tokens=40,
+            temperature=0, extra_body={"ignore_eos": True},
+        )
+        chunks = list(stream)
+        return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices), chunks[-1]
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(run, prompts))
+    for text, last in results:
+        assert text.strip()
+        assert last.choices[0].finish_reason == "length"
+        assert last.usage.completion_tokens == 40
+    batch_sizes = [b for _, last in results for b in last.usage.model_extra["batch_size"]]
+    assert max(batch_sizes) > 1, "concurrent requests must share engine steps"
+
+
+@pytest.mark.parametrize(
+    "body, status",
+    [
+        ({"model": MODEL, "messages": QUESTION, "temperature": 3}, 422),
+        ({"model": MODEL, "messages": QUESTION, "top_p": 0}, 422),
+        ({"model": MODEL, "messages": QUESTION, "max_tokens": 0}, 422),
+        ({"model": MODEL, "messages": []}, 422),
+        ({"model": MODEL}, 422),
+        ({"messages": QUESTION}, 422),
+        ({"model": "no-such-model", "messages": QUESTION}, 422),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "word " * 3000}]}, 424),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "word " * 3000}], "stream": True}, 424),
+    ],
+)
+def test_bad_inputs_get_4xx_with_error_body(base_url, body, status):
+    response = httpx.post(base_url + "/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == status, response.text
+    error = response.json()
+    assert error["result"] is None and error["message"] and error["error"] and error["error_type"]
+    assert isinstance(error["code"], int)
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b"[1, 2]", b"\xff\xfe", b""])
+def test_malformed_bodies_get_422(base_url, raw):
+    response = httpx.post(base_url + "/v1/chat/completions", content=raw,
+                          headers={"Content-Type": "application/json"}, timeout=30)
+    assert response.status_code == 422, response.text
+
+
+def test_documented_curl_request_verbatim(base_url):
+    """The request from the API page, headers included, with our model name."""
+    headers = {
+        "Authorization": "Bearer {ApiKey}",
+        "Content-Type": "application/json",
+        "Accept": "*/*",
+        "Host": "api.siliconstorm.ai",
+        "Connection": "keep-alive",
+    }
+    for stream in (True, False):
+        body = json.dumps({"model": MODEL, "messages": [
+            {"content": "Write a helloword and explain the code", "role": "user"}], "stream": stream})
+        response = httpx.post(base_url + "/v1/chat/completions", content=body, headers=headers, timeout=300)
+        assert response.status_code == 200, response.text
+        if stream:
+            assert json.loads(parse_sse(response.content)[-1])["choices"][0]["finish_reason"]
+        else:
+            assert response.json()["choices"][0]["message"]["content"]
+
+
+def test_disconnect_mid_stream_frees_the_sequence(base_url, scheduler_load, openai_client):
+    request = {"model": MODEL, "messages": QUESTION, "stream": True, "max_tokens": 400, "ignore_eos": True}
+    with httpx.stream("POST", base_url + "/v1/chat/completions", json=request, timeout=120) as response:
+        lines = response.iter_lines()
+        received = [next(lines) for _ in range(6)]
+        assert any(line.startswith("data: {") for line in received)
+        load = scheduler_load()
+        assert load.num_running + load.num_waiting >= 1
+    # Closing the response drops the connection: the sequence must leave the scheduler.
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        load = scheduler_load()
+        if load.num_running == 0 and load.num_waiting == 0:
+            break
+        time.sleep(0.2)
+    assert (load.num_running, load.num_waiting) == (0, 0)
+    assert httpx.get(base_url + "/health").status_code == 200
+    reply = openai_client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=5)
+    assert reply.choices[0].message.content is not None

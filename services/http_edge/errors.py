@@ -73,7 +73,8 @@ def invalid_input(message: str) -> EdgeError:
 
 
 def body_too_large(limit_mib: int) -> EdgeError:
-    return EdgeError(413, "Payload Too Large", f"Request body too large. Maximum allowed size is {limit_mib}MB.")
+    message = f"Request body too large. Maximum allowed size is {limit_mib}MB."
+    return EdgeError(413, "Payload Too Large", message)
 
 
 def unavailable(message: str) -> EdgeError:
@@ -103,15 +104,21 @@ def from_rpc_error(exc: grpc.aio.AioRpcError) -> EdgeError:
 
 def from_chat_error(code: int, message: str, error_type: str) -> EdgeError:
     """A `ChatChunk.error` (failure after the stream started): HTTP 500 when not streaming."""
-    return EdgeError(500, error_type or INCOMPLETE, message or "generation failed", code or CODE_GENERATION)
+    return EdgeError(
+        500, error_type or INCOMPLETE, message or "generation failed", code or CODE_GENERATION
+    )
 
 
 # -- validation messages -----------------------------------------------------
 
 _TYPE_RULES = {
     "float_type": "must be a number",
+    "float_parsing": "must be a number",
     "int_type": "must be an integer",
+    "int_parsing": "must be an integer",
+    "int_from_float": "must be an integer",
     "bool_type": "must be a boolean",
+    "bool_parsing": "must be a boolean",
     "string_type": "must be a string",
     "list_type": "must be a list",
     "dict_type": "must be an object",
@@ -123,7 +130,7 @@ _TYPE_RULES = {
 
 
 def field_path(loc: Sequence[str | int]) -> str:
-    """('messages', 0, '<list>', 1, 'text') -> 'messages[0].content[1].text' minus union tags."""
+    """('messages', 0, 'content', '<list>', 1, 'text') -> 'messages[0].content[1].text' (union tags dropped)."""
     path = ""
     for part in loc:
         if isinstance(part, int):
@@ -144,10 +151,10 @@ def describe_error(error: dict[str, Any]) -> str:
         return f"{path}: {error['msg']}" if path else error["msg"]
     elif kind == "literal_error":
         rule = f"must be one of {ctx.get('expected')}"
-    elif kind == "too_short":
-        rule = "must not be empty" if ctx.get("min_length") == 1 else f"must have at least {ctx.get('min_length')} items"
-    elif kind == "string_too_short":
-        rule = "must not be empty" if ctx.get("min_length") == 1 else f"must be at least {ctx.get('min_length')} characters"
+    elif kind in ("too_short", "string_too_short"):
+        unit = "items" if kind == "too_short" else "characters"
+        minimum = ctx.get("min_length")
+        rule = "must not be empty" if minimum == 1 else f"must have at least {minimum} {unit}"
     elif kind == "string_too_long":
         rule = f"must be at most {ctx.get('max_length')} characters"
     else:
@@ -173,7 +180,10 @@ def install_error_handlers(app: FastAPI) -> None:
         return invalid_input(describe_validation(errors)).response()
 
     async def on_http_exception(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        phrase = HTTPStatus(exc.status_code).phrase if exc.status_code in HTTPStatus._value2member_map_ else "Error"
+        try:
+            phrase = HTTPStatus(exc.status_code).phrase
+        except ValueError:
+            phrase = "Error"
         error_type = "NotFoundError" if exc.status_code == 404 else phrase
         message = exc.detail if isinstance(exc.detail, str) else phrase
         response = EdgeError(exc.status_code, error_type, message).response()

@@ -8,25 +8,25 @@ uint64 range. Features the backend may not run yet (n > 1, beam search, tools,
 response_format) are accepted here; the backend answers INVALID_ARGUMENT.
 
 Messages raised here name the rule ("must be in [0, 2]"); `errors.py` puts
-the field path in front.
+the field path in front. The building blocks live in `validation.py`.
 """
 from __future__ import annotations
 
 import re
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import (
-    AfterValidator,
-    AliasChoices,
-    BaseModel,
-    ConfigDict,
-    Discriminator,
-    Field,
-    Tag,
-    field_validator,
-    model_validator,
+from pydantic import AliasChoices, Field, Tag, field_validator, model_validator
+
+from services.http_edge.validation import (
+    LIST,
+    OBJECT,
+    STR,
+    StrictModel,
+    by_json_kind,
+    in_range,
+    matches,
+    request_rule,
 )
-from pydantic_core import PydanticCustomError
 
 INT32_MAX = 2**31 - 1
 UINT64_MAX = 2**64 - 1
@@ -41,74 +41,12 @@ MAX_TOP_LOGPROBS = 20
 _MODEL_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,256}")
 _FUNCTION_NAME = re.compile(r"[A-Za-z0-9_\-\u4e00-\u9fff]{1,64}")
 
-# Union members are chosen by JSON kind; their tags appear in error locations
-# and are dropped by errors.py (every tag is wrapped in <>).
-STR, LIST, OBJECT = "<str>", "<list>", "<object>"
-
-
-def _json_kind(value: Any) -> str | None:
-    if isinstance(value, str):
-        return STR
-    if isinstance(value, list):
-        return LIST
-    if isinstance(value, dict):
-        return OBJECT
-    return None
-
-
-def _by_kind(message: str) -> Discriminator:
-    return Discriminator(_json_kind, custom_error_type="json_kind", custom_error_message=message)
-
-
-def request_rule(message: str) -> PydanticCustomError:
-    """A rule that spans several fields; errors.py shows it after the path."""
-    return PydanticCustomError("request_rule", message)
-
-
-def _fmt(x: float) -> str:
-    return str(int(x)) if float(x).is_integer() else str(x)
-
-
-def in_range(lo: float, hi: float, *, lo_open: bool = False, message: str | None = None):
-    """Closed range check [lo, hi] (or (lo, hi] with lo_open) with a readable message."""
-    text = message or f"must be in {'(' if lo_open else '['}{_fmt(lo)}, {_fmt(hi)}]"
-
-    def check(value: float) -> float:
-        if (value > lo if lo_open else value >= lo) and value <= hi:
-            return value
-        raise ValueError(text)
-
-    return AfterValidator(check)
-
-
-def _matches(pattern: re.Pattern[str], message: str):
-    def check(value: str) -> str:
-        if pattern.fullmatch(value):
-            return value
-        raise ValueError(message)
-
-    return AfterValidator(check)
-
-
 Penalty = Annotated[float, in_range(-2, 2)]
 Choices = Annotated[int, in_range(1, MAX_CHOICES)]
-ModelName = Annotated[str, _matches(_MODEL_NAME, "must be 1-256 characters of [a-zA-Z0-9_.-]")]
+ModelName = Annotated[str, matches(_MODEL_NAME, "must be 1-256 characters of [a-zA-Z0-9_.-]")]
 FunctionName = Annotated[
-    str, _matches(_FUNCTION_NAME, "must be 1-64 characters of [a-zA-Z0-9_-] or CJK")
+    str, matches(_FUNCTION_NAME, "must be 1-64 characters of [a-zA-Z0-9_-] or CJK")
 ]
-
-
-class StrictModel(BaseModel):
-    """Strict types, unknown keys ignored, and `null` treated as absent."""
-
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_absent(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            return {key: value for key, value in data.items() if value is not None}
-        return data
 
 
 class MediaUrl(StrictModel):
@@ -119,7 +57,7 @@ class MediaUrl(StrictModel):
 # `"image_url": "/x.png"` (MindIE) or `{"url": "/x.png"}` (OpenAI).
 MediaValue = Annotated[
     Union[Annotated[str, Tag(STR)], Annotated[MediaUrl, Tag(OBJECT)]],
-    _by_kind("must be a string or an object with url"),
+    by_json_kind("must be a string or an object with url"),
 ]
 MediaType = Literal["image_url", "video_url", "audio_url"]
 MEDIA_TYPES: tuple[MediaType, ...] = ("image_url", "video_url", "audio_url")
@@ -148,7 +86,7 @@ class ContentPart(StrictModel):
             if not self.text:
                 raise request_rule("a text part needs a non-empty text")
         elif getattr(self, self.type) is None:
-            raise request_rule(f"a {self.type} part needs a non-null {self.type}")
+            raise request_rule(f"a part of type {self.type} needs a non-null {self.type}")
         return self
 
     @property
@@ -162,7 +100,7 @@ class ContentPart(StrictModel):
 
 Content = Annotated[
     Union[Annotated[str, Tag(STR)], Annotated[list[ContentPart], Tag(LIST)]],
-    _by_kind("must be a string or a list of parts"),
+    by_json_kind("must be a string or a list of parts"),
 ]
 
 
@@ -239,7 +177,7 @@ ToolChoiceValue = Annotated[
         Annotated[Literal["none", "auto", "required"], Tag(STR)],
         Annotated[NamedToolChoice, Tag(OBJECT)],
     ],
-    _by_kind("must be a string or an object"),
+    by_json_kind("must be a string or an object"),
 ]
 
 
@@ -267,7 +205,7 @@ class StreamOptions(StrictModel):
 
 Stop = Annotated[
     Union[Annotated[str, Tag(STR)], Annotated[list[str], Tag(LIST)]],
-    _by_kind("must be a string or a list of strings"),
+    by_json_kind("must be a string or a list of strings"),
 ]
 
 
@@ -325,12 +263,12 @@ class ChatCompletionRequest(StrictModel):
     def _template_kwargs(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
         thinking = kwargs.get("enable_thinking")
         if thinking is not None and not isinstance(thinking, bool):
-            raise ValueError("enable_thinking must be a boolean")
+            raise request_rule("enable_thinking must be a boolean")
         budget = kwargs.get("thinking_budget")
         if budget is not None and (
             isinstance(budget, bool) or not isinstance(budget, int) or not 1 <= budget <= INT32_MAX
         ):
-            raise ValueError(f"thinking_budget must be an integer in [1, {INT32_MAX}]")
+            raise request_rule(f"thinking_budget must be an integer in [1, {INT32_MAX}]")
         return kwargs
 
     @model_validator(mode="after")

@@ -93,7 +93,7 @@ def test_seed_reproduces_and_differs_across_seeds(openai_client):
     def sample(seed):
         return openai_client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "Tell me a short story."}],
-            temperature=1.0, top_p=0.95, top_k=50, seed=seed, max_tokens=30,
+            temperature=1.0, top_p=0.95, seed=seed, max_tokens=30, extra_body={"top_k": 50},
         ).choices[0].message.content
 
     assert sample(1234) == sample(1234)

@@ -1,0 +1,78 @@
+"""HTTP wiring of the edge: routes, the error handlers and the backend's lifetime.
+
+    POST /v1/chat/completions   JSON or SSE (serving.py)
+    GET  /v1/models             ListModels, cached briefly
+    GET  /v1/models/{model}     one model, or 404
+    GET  /health                200 (empty body) when ChatService is SERVING, else 503
+"""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from stormserve.chat.v1 import chat_pb2
+
+from services.http_edge.backend import ChatBackend
+from services.http_edge.config import EdgeConfig
+from services.http_edge.errors import EdgeError, install_error_handlers, unavailable
+from services.http_edge.serving import ChatCompletions
+
+
+def model_json(model: chat_pb2.Model) -> dict[str, Any]:
+    return {
+        "id": model.id,
+        "object": "model",
+        "created": model.created,
+        "owned_by": model.owned_by,
+        "root": model.root,
+        "parent": None,
+        "max_model_len": model.max_model_len,
+    }
+
+
+def create_app(config: EdgeConfig, backend: ChatBackend | None = None) -> FastAPI:
+    backend = backend or ChatBackend(config.tokenizer_address, config.models_cache_s)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        await backend.close()
+
+    app = FastAPI(
+        title="stormserve http_edge",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
+    app.state.config = config
+    app.state.backend = backend
+    install_error_handlers(app)
+    chat_completions = ChatCompletions(config, backend)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(request: Request) -> Response:
+        return await chat_completions(request)
+
+    @app.get("/v1/models")
+    async def list_models() -> JSONResponse:
+        models = await backend.served_models()
+        return JSONResponse({"object": "list", "data": [model_json(m) for m in models]})
+
+    @app.get("/v1/models/{model_id}")
+    async def get_model(model_id: str) -> JSONResponse:
+        for model in await backend.served_models():
+            if model.id == model_id:
+                return JSONResponse(model_json(model))
+        raise EdgeError(404, "NotFoundError", f"Model {model_id} not found.")
+
+    @app.get("/health")
+    async def health() -> Response:
+        if await backend.is_serving():
+            return Response(status_code=200)
+        raise unavailable("ChatService is not serving")
+
+    return app

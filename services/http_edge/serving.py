@@ -1,0 +1,200 @@
+"""`POST /v1/chat/completions`: read and validate the body, check the model,
+call ChatService.Chat, and answer with one JSON object or an SSE stream.
+
+Check order follows the reference: body size -> JSON parse -> fields -> model.
+A gRPC error before the first chunk becomes an HTTP error (also when
+`stream` is true); after the stream started it becomes a final `data:` frame
+holding the error body and a `finish_reason`, then `data: [DONE]`.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from pydantic import ValidationError
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+from stormserve.chat.v1 import chat_pb2
+
+from services.http_edge.backend import ChatBackend
+from services.http_edge.config import EdgeConfig
+from services.http_edge.convert import now_us, to_chat_request
+from services.http_edge.errors import (
+    PARSE_FAILED,
+    EdgeError,
+    body_too_large,
+    describe_validation,
+    from_chat_error,
+    from_rpc_error,
+    invalid_input,
+)
+from services.http_edge.protocol import ChatCompletionRequest
+from services.http_edge.render import CompletionBuilder, ReplyContext, chunk_json, finish_reason
+from services.http_edge.streaming import (
+    DONE,
+    ClientGone,
+    EventStreamResponse,
+    sse_event,
+    unless_disconnected,
+)
+
+log = logging.getLogger(__name__)
+
+MAX_JSON_DEPTH = 32  # MindIE drops subtrees deeper than 10; we refuse absurd nesting instead
+CLIENT_CLOSED = 499  # nobody reads it; the status only shows up in access logs
+
+
+async def read_body(request: Request, limit_bytes: int, limit_mib: int) -> bytes:
+    """The raw body, refused with 413 as soon as it is known to exceed the limit."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit_bytes:
+        raise body_too_large(limit_mib)
+    pieces, size = [], 0
+    async for piece in request.stream():
+        size += len(piece)
+        if size > limit_bytes:
+            raise body_too_large(limit_mib)
+        pieces.append(piece)
+    return b"".join(pieces)
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _depth(value: Any) -> int:
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        deepest = max(deepest, depth)
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return deepest
+
+
+def parse_chat_request(body: bytes) -> ChatCompletionRequest:
+    """Body bytes -> a validated request; every failure is a 422 with the merged body."""
+    try:
+        data = json.loads(body.decode("utf-8"), parse_constant=_reject_constant)
+    except UnicodeDecodeError:
+        raise invalid_input(f"{PARSE_FAILED}: the body is not valid UTF-8") from None
+    except (ValueError, RecursionError) as exc:
+        raise invalid_input(f"{PARSE_FAILED}: {exc}") from None
+    if not isinstance(data, dict):
+        raise invalid_input(f"{PARSE_FAILED}: the body must be a JSON object")
+    if _depth(data) > MAX_JSON_DEPTH:
+        raise invalid_input(f"{PARSE_FAILED}: nesting deeper than {MAX_JSON_DEPTH} levels")
+    try:
+        return ChatCompletionRequest.model_validate(data)
+    except ValidationError as exc:
+        raise invalid_input(describe_validation(exc.errors(include_url=False))) from None
+
+
+async def next_chunk(call: grpc.aio.UnaryStreamCall) -> chat_pb2.ChatChunk | None:
+    """The next chunk, or None at the end of the stream. Raises AioRpcError."""
+    response = await call.read()
+    if response is grpc.aio.EOF:
+        return None
+    return response.chunk
+
+
+def _chunk_error(chunk: chat_pb2.ChatChunk) -> EdgeError:
+    return from_chat_error(chunk.error.code, chunk.error.message, chunk.error.error_type)
+
+
+def _has_output(chunk: chat_pb2.ChatChunk) -> bool:
+    return any(
+        c.delta.content or c.delta.HasField("reasoning_content") or c.delta.tool_calls
+        for c in chunk.choices
+    )
+
+
+def _output_only(chunk: chat_pb2.ChatChunk) -> chat_pb2.ChatChunk:
+    """The text a failing chunk still carries (held-back stop-string text), as
+    an ordinary chunk; the error frame after it carries the finish_reason."""
+    partial = chat_pb2.ChatChunk()
+    partial.CopyFrom(chunk)
+    for name in ("error", "usage", "full_text", "prefill_time"):
+        partial.ClearField(name)
+    for choice in partial.choices:
+        choice.finish_reason = chat_pb2.FINISH_REASON_UNSPECIFIED
+    return partial
+
+
+def error_frame(error: EdgeError, chunk: chat_pb2.ChatChunk | None = None) -> bytes:
+    """The last SSE event of a stream that failed after it started."""
+    reasons = [finish_reason(c.finish_reason) for c in chunk.choices] if chunk is not None else []
+    return sse_event({**error.body(), "finish_reason": next((r for r in reasons if r), "stop")})
+
+
+class ChatCompletions:
+    """The handler of `POST /v1/chat/completions`."""
+
+    def __init__(self, config: EdgeConfig, backend: ChatBackend):
+        self.config = config
+        self.backend = backend
+
+    async def __call__(self, request: Request) -> Response:
+        arrival_us = now_us()
+        try:
+            body = await read_body(request, self.config.max_request_bytes, self.config.max_request_mib)
+        except ClientDisconnect:
+            return Response(status_code=CLIENT_CLOSED)
+        chat = parse_chat_request(body)
+        await self.backend.require_model(chat.model)
+        grpc_request = to_chat_request(chat, arrival_time_us=arrival_us)
+        ctx = ReplyContext(
+            request_id=grpc_request.request_id,
+            model=chat.model,
+            created=arrival_us // 1_000_000,
+            include_logprobs=chat.wants_logprobs,
+        )
+        call = self.backend.chat(grpc_request, self.config.request_timeout_s)
+        handed_off = False
+        try:
+            if chat.stream:
+                first = await unless_disconnected(request.receive, next_chunk(call))
+                if first is not None and first.HasField("error"):
+                    raise _chunk_error(first)
+                handed_off = True
+                return EventStreamResponse(self._events(call, first, ctx), on_close=call.cancel)
+            builder = CompletionBuilder(ctx)
+            await unless_disconnected(request.receive, self._collect(call, builder))
+            return JSONResponse(builder.result())
+        except grpc.aio.AioRpcError as exc:
+            error = from_rpc_error(exc)
+            if error.status >= 500:
+                log.warning("%s failed: %s %s", ctx.request_id, exc.code().name, exc.details())
+            raise error from None
+        except ClientGone:
+            log.info("client left before %s was answered; cancelled", ctx.request_id)
+            return Response(status_code=CLIENT_CLOSED)
+        finally:
+            if not handed_off:
+                call.cancel()
+
+    async def _collect(self, call: grpc.aio.UnaryStreamCall, builder: CompletionBuilder) -> None:
+        while (chunk := await next_chunk(call)) is not None:
+            if chunk.HasField("error"):
+                raise _chunk_error(chunk)
+            builder.add(chunk)
+
+    async def _events(
+        self, call: grpc.aio.UnaryStreamCall, chunk: chat_pb2.ChatChunk | None, ctx: ReplyContext
+    ) -> AsyncIterator[bytes]:
+        try:
+            while chunk is not None:
+                if chunk.HasField("error"):
+                    if _has_output(chunk):
+                        yield sse_event(chunk_json(_output_only(chunk), ctx))
+                    yield error_frame(_chunk_error(chunk), chunk)
+                    break
+                yield sse_event(chunk_json(chunk, ctx))
+                chunk = await next_chunk(call)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("%s failed mid-stream: %s %s", ctx.request_id, exc.code().name, exc.details())
+            yield error_frame(from_rpc_error(exc))
+        yield DONE

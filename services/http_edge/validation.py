@@ -1,0 +1,73 @@
+"""Building blocks of the strict request models: the base model (strict types,
+unknown keys ignored, `null` = absent), range and pattern checks with readable
+messages, and unions chosen by JSON kind."""
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, model_validator
+from pydantic_core import PydanticCustomError
+
+# Union members are chosen by JSON kind; their tags appear in error locations
+# and are dropped by errors.py (every tag is wrapped in <>).
+STR, LIST, OBJECT = "<str>", "<list>", "<object>"
+
+
+def _json_kind(value: Any) -> str | None:
+    if isinstance(value, str):
+        return STR
+    if isinstance(value, list):
+        return LIST
+    if isinstance(value, dict):
+        return OBJECT
+    return None
+
+
+def by_json_kind(message: str) -> Discriminator:
+    return Discriminator(_json_kind, custom_error_type="json_kind", custom_error_message=message)
+
+
+def request_rule(message: str) -> PydanticCustomError:
+    """A rule that spans several fields; errors.py shows it after the path."""
+    return PydanticCustomError("request_rule", message)
+
+
+def _fmt(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+def in_range(lo: float, hi: float, *, lo_open: bool = False, message: str | None = None):
+    """Closed range check [lo, hi] (or (lo, hi] with lo_open) with a readable message."""
+    text = message or f"must be in {'(' if lo_open else '['}{_fmt(lo)}, {_fmt(hi)}]"
+
+    def check(value: float) -> float:
+        if (value > lo if lo_open else value >= lo) and value <= hi:
+            return value
+        raise ValueError(text)
+
+    return AfterValidator(check)
+
+
+def matches(pattern: re.Pattern[str], message: str):
+    """Whole-string pattern check; `message` names the rule."""
+
+    def check(value: str) -> str:
+        if pattern.fullmatch(value):
+            return value
+        raise ValueError(message)
+
+    return AfterValidator(check)
+
+
+class StrictModel(BaseModel):
+    """Strict types, unknown keys ignored, and `null` treated as absent."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_absent(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items() if value is not None}
+        return data

@@ -1,0 +1,89 @@
+"""EdgeConfig validation and flag/env/alias loading; the gRPC -> HTTP error table."""
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from services.common.config import load_config
+from services.http_edge.config import EdgeConfig
+from services.http_edge.errors import describe_error, field_path, from_chat_error, from_grpc
+
+
+def test_defaults() -> None:
+    config = load_config(EdgeConfig, [], {})
+    assert (config.host, config.port, config.tokenizer_address) == ("127.0.0.1", 8000, "127.0.0.1:50051")
+    assert config.max_request_mib == 40 and config.max_request_bytes == 40 * 1024 * 1024
+    assert config.request_timeout_s == 600
+
+
+def test_flags_aliases_and_environment() -> None:
+    config = load_config(
+        EdgeConfig,
+        ["--port", "9001", "--maxRequestLength", "2", "--tokenizer-address", "tok:1"],
+        {"STORMSERVE_REQUEST_TIMEOUT_S": "30", "STORMSERVE_PORT": "1"},
+    )
+    assert (config.port, config.max_request_mib, config.tokenizer_address) == (9001, 2, "tok:1")
+    assert config.request_timeout_s == 30
+    assert load_config(EdgeConfig, ["--e2eTimeout", ""], {}).request_timeout_s is None
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"port": 70000},
+        {"port": -1},
+        {"host": ""},
+        {"tokenizer_address": "no-port"},
+        {"tokenizer_address": ":50051"},
+        {"max_request_mib": 0},
+        {"max_request_mib": 101},
+        {"request_timeout_s": 0},
+        {"request_timeout_s": 70000},
+        {"models_cache_s": -1},
+        {"shutdown_grace_s": -0.5},
+    ],
+)
+def test_invalid_config_is_refused(fields: dict) -> None:
+    with pytest.raises(ValueError):
+        EdgeConfig(**fields)
+
+
+@pytest.mark.parametrize(
+    "code,status,error_type,doc_code",
+    [
+        (grpc.StatusCode.INVALID_ARGUMENT, 422, "Input Validation Error", 422),
+        (grpc.StatusCode.NOT_FOUND, 422, "Input Validation Error", 422),
+        (grpc.StatusCode.OUT_OF_RANGE, 424, "Generation Error", 9999),
+        (grpc.StatusCode.UNAVAILABLE, 503, "Service Unavailable", 503),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, 503, "Service Unavailable", 503),
+        (grpc.StatusCode.DEADLINE_EXCEEDED, 500, "Incomplete Generation", 802),
+        (grpc.StatusCode.UNAUTHENTICATED, 401, "Unauthorized", 801),
+        (grpc.StatusCode.PERMISSION_DENIED, 401, "Unauthorized", 702),
+        (grpc.StatusCode.INTERNAL, 500, "Incomplete Generation", 9999),
+        (grpc.StatusCode.UNKNOWN, 500, "Incomplete Generation", 9999),
+    ],
+)
+def test_grpc_status_mapping(code, status, error_type, doc_code) -> None:
+    error = from_grpc(code, "details here")
+    assert (error.status, error.error_type, error.code) == (status, error_type, doc_code)
+    assert error.body() == {
+        "error": "details here",
+        "error_type": error_type,
+        "code": doc_code,
+        "result": None,
+        "message": "details here",
+    }
+
+
+def test_chat_error_defaults() -> None:
+    error = from_chat_error(0, "", "")
+    assert (error.status, error.code, error.error_type) == (500, 9999, "Incomplete Generation")
+    timeout = from_chat_error(802, "Engine callback timeout", "Incomplete Generation")
+    assert (timeout.status, timeout.code, timeout.message) == (500, 802, "Engine callback timeout")
+
+
+def test_field_path_drops_union_tags() -> None:
+    assert field_path(("messages", 0, "content", "<list>", 2, "text")) == "messages[0].content[2].text"
+    assert field_path(()) == ""
+    assert describe_error({"type": "missing", "loc": ("model",), "msg": "Field required"}) == "model is required"
+    assert describe_error({"type": "request_rule", "loc": (), "msg": "whole-request rule"}) == "whole-request rule"

@@ -27,7 +27,8 @@ $(VENV)/.installed: requirements.txt
 	touch $@
 
 $(BUF): package.json package-lock.json
-	npm ci --silent --no-audit --no-fund
+	# `npm ci` refuses this lock: the registry lacks some platforms' optional buf binaries.
+	npm install --no-audit --no-fund --loglevel=error
 	touch $@
 
 # googleapis protos come from the pinned googleapis-common-protos wheel.

@@ -70,7 +70,9 @@ class Chain:
             out = open(self.log_dir / f"{name}.log", "ab")
         self.procs[name] = subprocess.Popen(
             [sys.executable, "-m", module, *args], env=env, cwd=root, stdout=out, stderr=out,
-            preexec_fn=_die_with_parent,
+            # Own session: a terminal's Ctrl-C reaches only us, and we stop the
+            # children in order with SIGTERM.
+            preexec_fn=_die_with_parent, start_new_session=True,
         )
 
     def wait_ready(self, timeout_s: float = 300.0) -> None:

@@ -58,11 +58,6 @@ def _reject_unsupported(request: chat_pb2.ChatRequest) -> None:
         unsupported.append("response_format json_object/json_schema")
     if request.tool_choice.mode in (chat_pb2.TOOL_CHOICE_MODE_REQUIRED, chat_pb2.TOOL_CHOICE_MODE_FUNCTION):
         unsupported.append("tool_choice required or a named function")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if request.HasField(name) and getattr(request, name) != 0:
-            unsupported.append(name)
-    if request.HasField("repetition_penalty") and request.repetition_penalty != 1:
-        unsupported.append("repetition_penalty")
     if unsupported:
         raise invalid_argument("not supported yet: " + ", ".join(unsupported))
 
@@ -70,7 +65,8 @@ def _reject_unsupported(request: chat_pb2.ChatRequest) -> None:
 def _generate_request(request: chat_pb2.ChatRequest, request_id: str, prompt: list[int],
                       arrival_us: int) -> scheduler_pb2.GenerateRequest:
     sampling = scheduler_pb2.SamplingParams()
-    for name in ("temperature", "top_k", "top_p", "seed"):
+    for name in ("temperature", "top_k", "top_p", "seed", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty"):
         if request.HasField(name):
             setattr(sampling, name, getattr(request, name))
     if request.logprobs or request.HasField("top_logprobs"):

@@ -82,9 +82,8 @@ def build_paged_step(
     block_size = pool.spec.block_size
     num_seqs = len(num_new_tokens)
     max_blocks = max(len(t) for t in block_tables)
-    tables = torch.zeros((num_seqs, max_blocks), dtype=torch.long)
-    for i, table in enumerate(block_tables):
-        tables[i, : len(table)] = torch.tensor(table, dtype=torch.long)
+    # Short tables are padded with block 0; padded entries are never looked up.
+    tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in block_tables], dtype=torch.long)
     new = torch.tensor(num_new_tokens, dtype=torch.long)
     computed = torch.tensor(num_computed_tokens, dtype=torch.long)
     context = computed + new
@@ -102,8 +101,10 @@ def build_paged_step(
             context_slots = None
             if num_computed_tokens[i] > 0:
                 context_positions = torch.arange(int(context[i]))
-                context_slots = _slots(tables[i].expand(len(context_positions), -1), context_positions, block_size).to(device)
-            prefills.append(PrefillChunk(start, start + num_new_tokens[i], num_computed_tokens[i], context_slots))
+                row_tables = tables[i].expand(len(context_positions), -1)
+                context_slots = _slots(row_tables, context_positions, block_size).to(device)
+            end = start + num_new_tokens[i]
+            prefills.append(PrefillChunk(start, end, num_computed_tokens[i], context_slots))
 
     decode = None
     decode_seqs = (new == 1).nonzero().flatten()
@@ -163,8 +164,8 @@ def paged_attention_forward(
     if step.decode is not None:
         d = step.decode
         q = query[0].index_select(1, d.rows).transpose(0, 1)[:, :, None, :]  # [B, heads, 1, dim]
-        k = key_cache[d.context_slots].permute(0, 2, 1, 3)  # [B, kv_heads, L, dim]
-        v = value_cache[d.context_slots].permute(0, 2, 1, 3)
+        k = _gather(key_cache, d.context_slots).permute(0, 2, 1, 3)  # [B, kv_heads, L, dim]
+        v = _gather(value_cache, d.context_slots).permute(0, 2, 1, 3)
         mask = d.mask
         if sliding_window is not None:
             mask = mask & (d.key_positions > d.query_positions - sliding_window)[:, None, None, :]
@@ -175,14 +176,19 @@ def paged_attention_forward(
         if chunk.context_slots is None:
             k, v = key[:, :, chunk.start : chunk.end], value[:, :, chunk.start : chunk.end]
         else:
-            k = key_cache[chunk.context_slots].permute(1, 0, 2)[None]
-            v = value_cache[chunk.context_slots].permute(1, 0, 2)[None]
+            k = _gather(key_cache, chunk.context_slots).permute(1, 0, 2)[None]
+            v = _gather(value_cache, chunk.context_slots).permute(1, 0, 2)[None]
         mask = _prefill_mask(chunk, k.shape[2], sliding_window, query.device)
         o = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=mask is None, scale=scaling, enable_gqa=gqa
         )
         out[chunk.start : chunk.end] = o[0].transpose(0, 1)
     return out[None], None
+
+
+def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """cache[slots] — via index_select on the flat index, several times faster on CPU."""
+    return cache.index_select(0, slots.flatten()).view(*slots.shape, *cache.shape[1:])
 
 
 def _prefill_mask(

@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
 import torch
 from transformers import AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 
-from services.common.errors import ServiceError, invalid_argument
+from services.common.errors import invalid_argument
 from services.worker import attention, sampler
 from services.worker.backend import Backend, torch_dtype
 from services.worker.kv_cache import BlockAllocator, KVCachePool, KVCacheSpec
@@ -91,10 +91,10 @@ class ModelRunner:
         dtype_t = torch_dtype(dtype)
         started = time.monotonic()
         hf_logging.disable_progress_bar()
+        # device_map loads weights straight onto the device (no full CPU copy first).
         self.model = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=dtype_t, attn_implementation=attention.register()
-        ).to(backend.device)
-        self.model.eval()
+            model_dir, dtype=dtype_t, attn_implementation=attention.register(), device_map=str(backend.device)
+        ).eval()
         config = self.model.config.get_text_config()
         self.vocab_size: int = self.model.get_input_embeddings().num_embeddings
         self.max_position_embeddings: int = getattr(config, "max_position_embeddings", None) or 0
@@ -139,36 +139,48 @@ class ModelRunner:
         self.sequences.pop(seq_id, None)
 
     @torch.inference_mode()
-    def step(self, inputs: list[SequenceInput], release_seq_ids: list[int] = ()) -> StepResult:
+    def step(self, inputs: list[SequenceInput], release_seq_ids: Sequence[int] = ()) -> StepResult:
+        """Release `release_seq_ids`, run `inputs` as one packed forward, sample.
+
+        Returns one SampledToken per input with sample=True, in input order.
+        """
         started = time.perf_counter()
         for seq_id in release_seq_ids:
             self.release(seq_id)
-        if not inputs:
-            return StepResult([], int((time.perf_counter() - started) * 1e6))
+        tokens: list[SampledToken] = []
+        if inputs:
+            logits = self.forward(inputs)
+            sampling_inputs = [s for s in inputs if s.sample]
+            if sampling_inputs:
+                tokens = self._sample(logits, sampling_inputs)
+        self.backend.synchronize()
+        return StepResult(tokens, int((time.perf_counter() - started) * 1e6))
+
+    @torch.inference_mode()
+    def forward(self, inputs: list[SequenceInput]) -> torch.Tensor:
+        """Validate, grow the KV cache, run the packed forward and commit the new lengths.
+
+        Returns logits [num inputs with sample=True, vocab] in input order.
+        """
         self._validate(inputs)
         self.blocks.allocate({s.seq_id: s.num_computed_tokens + len(s.token_ids) for s in inputs})
         for s in inputs:
             if s.seq_id not in self.sequences:
                 self.sequences[s.seq_id] = self._new_state(s.sampling)
-
-        logits = self._forward(inputs)
-        sampling_inputs = [s for s in inputs if s.sample]
-        states = [self.sequences[s.seq_id] for s in inputs]
-        for s, state in zip(inputs, states):
+        logits = self._run_model(inputs)
+        for s in inputs:
+            state = self.sequences[s.seq_id]
             if state.sampling.has_penalties:
                 self._record_fed_tokens(state, s)
             state.num_cached_tokens = s.num_computed_tokens + len(s.token_ids)
-
-        tokens: list[SampledToken] = []
-        if sampling_inputs:
-            tokens = self._sample(logits, sampling_inputs)
-        self.backend.synchronize()
-        return StepResult(tokens, int((time.perf_counter() - started) * 1e6))
+        return logits
 
     def _validate(self, inputs: list[SequenceInput]) -> None:
         """Check the whole step before touching any state, so a bad step changes nothing."""
         if len(inputs) > self.max_batch_size:
-            raise invalid_argument(f"step has {len(inputs)} sequences; max_batch_size is {self.max_batch_size}")
+            raise invalid_argument(
+                f"step has {len(inputs)} sequences; max_batch_size is {self.max_batch_size}"
+            )
         seen: set[int] = set()
         for s in inputs:
             if s.seq_id in seen:
@@ -185,7 +197,8 @@ class ModelRunner:
                 s.sampling.validate()
                 if s.num_computed_tokens != 0:
                     raise invalid_argument(
-                        f"seq {s.seq_id} is new to this worker but num_computed_tokens is {s.num_computed_tokens}"
+                        f"seq {s.seq_id} is new to this worker but num_computed_tokens is "
+                        f"{s.num_computed_tokens}"
                     )
             elif s.num_computed_tokens != state.num_cached_tokens:
                 raise invalid_argument(
@@ -202,11 +215,11 @@ class ModelRunner:
         generator = None
         if not sampling.is_greedy:
             # Seeded once: the sequence's draws depend on its seed alone, not on the batch.
-            generator = torch.Generator(device=self.backend.device)
+            generator = torch.Generator()  # CPU: the sampler draws one scalar per token
             generator.manual_seed(sampling.seed)
         return SequenceState(sampling=sampling, generator=generator)
 
-    def _forward(self, inputs: list[SequenceInput]) -> torch.Tensor:
+    def _run_model(self, inputs: list[SequenceInput]) -> torch.Tensor:
         device = self.backend.device
         step = attention.build_paged_step(
             self.kv_pool,
@@ -266,10 +279,3 @@ class ModelRunner:
             self.step([SequenceInput(WARM_UP_SEQ_ID, [token], 3, True, None)])
         finally:
             self.release(WARM_UP_SEQ_ID)
-
-
-def kv_budget_bytes(kv_cache_mib: int) -> int:
-    return kv_cache_mib * 2**20
-
-
-__all__ = ["ModelRunner", "ModelDescription", "SamplingDefaults", "ServiceError", "grpc"]

@@ -1,27 +1,36 @@
 """Batched sampling on the device: one [B, vocab] logits tensor, per-row params.
 
 Pipeline per row: (penalties, applied by the caller via penalties.py) ->
-temperature -> top-k -> top-p -> draw. A row with temperature 0 is greedy: the
-argmax, with the filters applied at temperature 1 so that its logprobs describe
-the same filtered distribution.
+temperature -> top-k -> top-p -> draw. A row with temperature 0 is greedy: it
+takes the best token, and its filters apply at temperature 1 so that its
+logprobs describe the same distribution.
 
-Reproducibility: each sequence owns a torch.Generator seeded once. Drawing a
-token consumes exactly one [vocab] vector of Exp(1) noise from that row's own
-generator, and the token is argmax(logits - log(noise)) (the exponential race,
-i.e. the Gumbel-max trick). So a seed gives the same tokens whatever else shares
-the batch, and no softmax-normalised multinomial is needed.
+Reproducibility: each sequence owns a CPU torch.Generator seeded once, and a
+draw consumes exactly one uniform number from it; the token is where that number
+falls in the row's CDF (inverse-CDF sampling). So a seed gives the same tokens
+whatever else shares the batch (and on any device: the generator is on the CPU,
+one [B] tensor is copied over). One scalar per row is also far cheaper than a
+vocab-wide noise vector per row on CPU.
+
+Top-k / top-p only look at each row's best candidates (one batched topk), not a
+full-vocab sort (a 49k-entry sort costs ~8 ms per row on CPU); a top-p row
+whose nucleus is wider than its candidates (a flat distribution) is redone
+alone with 8x more, up to the whole vocabulary.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from services.worker.sequence import SamplingParams, TokenLogprob
 
 # Logprob reported for tokens the filters removed (-inf does not survive JSON);
 # OpenAI reports the same value for such tokens.
 MIN_LOGPROB = -9999.0
+# First candidate count for a top-p row without top-k; grown 8x while too small.
+NUCLEUS_CANDIDATES = 1024
 
 
 @dataclass(frozen=True)
@@ -33,34 +42,101 @@ class SampleOutput:
     top_logprobs: list[list[TokenLogprob]]
 
 
-def _apply_top_k(logits: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
-    vocab_size = logits.shape[1]
-    ks = [k if 0 < k < vocab_size else 0 for k in top_ks]
-    if not any(ks):
-        return logits
-    # One top-k over the largest k; each row's threshold is its own k-th value.
-    values = torch.topk(logits, max(ks), dim=1).values
-    k_index = torch.tensor([max(k, 1) - 1 for k in ks], device=logits.device)
-    thresholds = values.gather(1, k_index[:, None])
-    enabled = torch.tensor([k > 0 for k in ks], device=logits.device)[:, None]
-    return logits.masked_fill(enabled & (logits < thresholds), float("-inf"))
+@dataclass(frozen=True)
+class _Distribution:
+    """Rows of normalised log-probs over candidates; `ids` None means the whole vocab
+    (column = token id), else the candidates sorted best first."""
+
+    logprobs: torch.Tensor  # [R, K]
+    ids: torch.Tensor | None  # [R, K]
 
 
-def _apply_top_p(logits: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
-    rows = [i for i, p in enumerate(top_ps) if p < 1.0]
-    if not rows:
-        return logits
-    # Only rows that use nucleus sampling pay for a full-vocab sort.
-    sub = logits[rows]
-    sorted_logits, order = torch.sort(sub, dim=1, descending=True)
-    probs = sorted_logits.softmax(dim=1)
+def _filtered(scaled: torch.Tensor, params: list[SamplingParams]) -> _Distribution:
+    """Top-k then top-p over each row's best candidates."""
+    vocab_size = scaled.shape[1]
+    wants = [p.top_k if 0 < p.top_k < vocab_size else NUCLEUS_CANDIDATES for p in params]
+    wants.append(max(p.top_logprobs for p in params))  # alternatives come from the candidates
+    return _filtered_top(scaled, params, min(vocab_size, max(wants)))
+
+
+def _filtered_top(scaled: torch.Tensor, params: list[SamplingParams], num_candidates: int) -> _Distribution:
+    device = scaled.device
+    vocab_size = scaled.shape[1]
+    has_k = torch.tensor([0 < p.top_k < vocab_size for p in params], device=device)
+    values, ids = torch.topk(scaled, num_candidates, dim=1)  # sorted, best first
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params], device=device)
+    beyond_k = torch.arange(num_candidates, device=device)[None, :] >= top_k[:, None]
+    values = values.masked_fill(beyond_k, float("-inf"))
+    # A top-k row's candidates hold its whole distribution; any other row is
+    # normalised over the full vocab, since its candidates are only the head.
+    normaliser = torch.where(has_k, values.logsumexp(dim=1), scaled.logsumexp(dim=1))
+    logprobs = values - normaliser[:, None]
+    # top_p 2.0 = disabled: the mass before a token never reaches it.
+    top_p = torch.tensor([p.top_p if p.top_p < 1.0 else 2.0 for p in params], device=device)
+    probs = logprobs.exp()
     mass_before = probs.cumsum(dim=1) - probs
-    top_p = torch.tensor([top_ps[i] for i in rows], device=logits.device)[:, None]
-    # Drop a token once the mass before it already reaches top_p: the best token always stays.
-    sorted_logits = sorted_logits.masked_fill(mass_before >= top_p, float("-inf"))
-    logits = logits.clone()
-    logits[rows] = torch.empty_like(sub).scatter_(1, order, sorted_logits)
-    return logits
+    # Drop a token once the mass before it reaches top_p: the best token always stays.
+    logprobs = logprobs.masked_fill(mass_before >= top_p[:, None], float("-inf"))
+    dist = _Distribution(logprobs.log_softmax(dim=1), ids)
+    if num_candidates == vocab_size:
+        return dist
+    # A nucleus wider than the candidates (a flat distribution): redo those rows with 8x more.
+    short = ((~has_k) & (probs.sum(dim=1) < top_p)).nonzero().flatten().tolist()
+    if not short:
+        return dist
+    wider = _filtered_top(scaled[short], [params[i] for i in short], min(vocab_size, num_candidates * 8))
+    width = wider.ids.shape[1]
+    logprobs = F.pad(dist.logprobs, (0, width - num_candidates), value=float("-inf"))
+    ids = F.pad(ids, (0, width - num_candidates), value=0)  # padding is -inf: never drawn
+    logprobs[short], ids[short] = wider.logprobs, wider.ids
+    return _Distribution(logprobs, ids)
+
+
+def _choose(
+    dist: _Distribution, params: list[SamplingParams], uniforms: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Column of the chosen token per row: argmax for greedy rows, inverse CDF otherwise."""
+    choice = dist.logprobs.argmax(dim=1)
+    random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
+    if random_rows:
+        cdf = dist.logprobs[random_rows].exp().cumsum(dim=1)
+        targets = uniforms[random_rows] * cdf[:, -1]  # scaled by the total: immune to rounding
+        drawn = torch.searchsorted(cdf, targets[:, None], right=True)[:, 0]
+        choice[random_rows] = drawn.clamp(max=cdf.shape[1] - 1)
+    chosen_logprobs = dist.logprobs.gather(1, choice[:, None])[:, 0]
+    tokens = choice if dist.ids is None else dist.ids.gather(1, choice[:, None])[:, 0]
+    return tokens, chosen_logprobs
+
+
+def _alternatives(dist: _Distribution, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if dist.ids is None:
+        top = torch.topk(dist.logprobs, count, dim=1)
+        return top.indices, top.values
+    return dist.ids[:, :count], dist.logprobs[:, :count]
+
+
+def _sample_group(
+    scaled: torch.Tensor, params: list[SamplingParams], uniforms: torch.Tensor, is_filtered: bool
+) -> tuple[list[int], list[float | None], list[list[TokenLogprob]]]:
+    """Tokens, logprobs and alternatives for rows that share a path (plain or filtered)."""
+    num_rows = len(params)
+    if not is_filtered and all(p.is_greedy and p.top_logprobs < 0 for p in params):
+        return scaled.argmax(dim=1).tolist(), [None] * num_rows, [[] for _ in range(num_rows)]
+    dist = _filtered(scaled, params) if is_filtered else _Distribution(scaled.log_softmax(dim=1), None)
+    tokens, chosen = _choose(dist, params, uniforms)
+    chosen_list = chosen.clamp(min=MIN_LOGPROB).tolist()
+    logprobs = [chosen_list[n] if p.top_logprobs >= 0 else None for n, p in enumerate(params)]
+    alternatives: list[list[TokenLogprob]] = [[] for _ in range(num_rows)]
+    num_alternatives = min(max(p.top_logprobs for p in params), scaled.shape[1])
+    if num_alternatives > 0:
+        alt_ids, alt_values = (t.tolist() for t in _alternatives(dist, num_alternatives))
+        for n, p in enumerate(params):
+            wanted = max(p.top_logprobs, 0)
+            alternatives[n] = [
+                TokenLogprob(t, max(v, MIN_LOGPROB))
+                for t, v in zip(alt_ids[n][:wanted], alt_values[n][:wanted])
+            ]
+    return tokens.tolist(), logprobs, alternatives
 
 
 def sample(
@@ -68,42 +144,24 @@ def sample(
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
 ) -> SampleOutput:
-    """Sample one token per row. `generators[i]` may be None only for greedy rows."""
+    """Sample one token per row. `generators[i]` (CPU) may be None only for greedy rows."""
     num_rows, vocab_size = logits.shape
     device = logits.device
-    logits = logits.float()
-    temperatures = torch.tensor(
-        [p.temperature if not p.is_greedy else 1.0 for p in params], device=device
+    temperatures = torch.tensor([1.0 if p.is_greedy else p.temperature for p in params], device=device)
+    scaled = logits.float() / temperatures[:, None]
+    uniforms = torch.tensor(
+        [0.0 if p.is_greedy else float(torch.rand((), generator=g)) for p, g in zip(params, generators)],
+        device=device,
     )
-    logits = logits / temperatures[:, None]
-    logits = _apply_top_k(logits, [p.top_k for p in params])
-    logits = _apply_top_p(logits, [p.top_p for p in params])
-
-    token_ids = logits.argmax(dim=1)
-    random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
-    if random_rows:
-        noise = torch.empty((len(random_rows), vocab_size), device=device)
-        for n, row in enumerate(random_rows):
-            noise[n].exponential_(generator=generators[row])
-        raced = logits[random_rows] - noise.log()
-        token_ids[random_rows] = raced.argmax(dim=1)
-
+    token_ids = [0] * num_rows
     logprobs: list[float | None] = [None] * num_rows
     alternatives: list[list[TokenLogprob]] = [[] for _ in range(num_rows)]
-    logprob_rows = [i for i, p in enumerate(params) if p.top_logprobs >= 0]
-    if logprob_rows:
-        log_dist = logits[logprob_rows].log_softmax(dim=1).clamp(min=MIN_LOGPROB)
-        chosen = log_dist.gather(1, token_ids[logprob_rows][:, None])[:, 0].tolist()
-        num_alternatives = max(params[i].top_logprobs for i in logprob_rows)
-        top_values, top_ids = (None, None)
-        if num_alternatives > 0:
-            top = torch.topk(log_dist, min(num_alternatives, vocab_size), dim=1)
-            top_values, top_ids = top.values.tolist(), top.indices.tolist()
-        for n, row in enumerate(logprob_rows):
-            logprobs[row] = chosen[n]
-            wanted = params[row].top_logprobs
-            if top_values is not None and wanted > 0:
-                alternatives[row] = [
-                    TokenLogprob(t, v) for t, v in zip(top_ids[n][:wanted], top_values[n][:wanted])
-                ]
-    return SampleOutput(token_ids.tolist(), logprobs, alternatives)
+    is_filtered = [0 < p.top_k < vocab_size or p.top_p < 1.0 for p in params]
+    for path in (False, True):
+        rows = [i for i in range(num_rows) if is_filtered[i] == path]
+        if not rows:
+            continue
+        group = _sample_group(scaled[rows], [params[i] for i in rows], uniforms[rows], path)
+        for n, row in enumerate(rows):
+            token_ids[row], logprobs[row], alternatives[row] = group[0][n], group[1][n], group[2][n]
+    return SampleOutput(token_ids, logprobs, alternatives)

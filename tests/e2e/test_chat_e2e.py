@@ -198,3 +198,33 @@ def test_disconnect_mid_stream_frees_the_sequence(base_url, scheduler_load, open
     assert httpx.get(base_url + "/health").status_code == 200
     reply = openai_client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=5)
     assert reply.choices[0].message.content is not None
+
+
+def test_stop_string_cuts_exactly(openai_client):
+    kwargs = dict(model=MODEL, messages=QUESTION, temperature=0, max_tokens=30)
+    full = openai_client.chat.completions.create(**kwargs).choices[0].message.content
+    assert "Paris" in full
+    reply = openai_client.chat.completions.create(stop=["Paris"], **kwargs)
+    assert reply.choices[0].message.content == full[: full.index("Paris")]
+    assert reply.choices[0].finish_reason == "stop"
+
+
+def test_repetition_penalty_changes_greedy_output(openai_client):
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "List the colors of the rainbow."}],
+                  temperature=0, max_tokens=40)
+    plain = openai_client.chat.completions.create(**kwargs).choices[0].message.content
+    penalized = openai_client.chat.completions.create(
+        extra_body={"repetition_penalty": 1.8}, **kwargs).choices[0].message.content
+    assert plain != penalized
+
+
+def test_logprobs_are_returned_per_token(openai_client):
+    reply = openai_client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=8,
+                                                  logprobs=True, top_logprobs=3)
+    entries = reply.choices[0].logprobs.content
+    assert len(entries) == reply.usage.completion_tokens or len(entries) == reply.usage.completion_tokens - 1
+    for entry in entries:
+        assert entry.logprob <= 0
+        assert len(entry.top_logprobs) == 3
+        # Greedy: the chosen token is the most likely one.
+        assert entry.logprob >= max(t.logprob for t in entry.top_logprobs) - 1e-4

@@ -1,0 +1,59 @@
+"""python -m services.worker: load the model, warm up, serve WorkerService."""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from services.common.config import load_config
+from services.common.grpc_server import GrpcService
+from services.common.log import setup_logging
+from services.common.model_files import resolve_model
+from services.worker.backend import select_backend
+from services.worker.config import WorkerConfig
+from services.worker.model_runner import ModelRunner
+from services.worker.server import WorkerServicer
+from stormserve.worker.v1 import worker_pb2, worker_pb2_grpc
+
+
+def load_runner(config: WorkerConfig) -> ModelRunner:
+    """Blocking: pick the device, resolve and load the model, warm it up."""
+    backend = select_backend(config.device)
+    backend.set_num_threads(config.num_threads)
+    runner = ModelRunner(
+        resolve_model(config.model_path),
+        backend,
+        dtype=config.dtype,
+        block_size=config.cache_block_size,
+        kv_cache_bytes=config.kv_cache_mib * 2**20,
+        max_batch_size=config.max_batch_size,
+    )
+    runner.warm_up()
+    return runner
+
+
+async def serve(config: WorkerConfig, log: logging.Logger) -> None:
+    service = GrpcService("worker", config.host, config.port)
+    servicer = WorkerServicer()
+    service.add(
+        worker_pb2_grpc.add_WorkerServiceServicer_to_server,
+        servicer,
+        worker_pb2.DESCRIPTOR.services_by_name["WorkerService"],
+    )
+    # Listen first (health answers NOT_SERVING while loading), then load off the loop.
+    await service.start()
+    servicer.attach(await asyncio.to_thread(load_runner, config))
+    await service.set_serving(True)
+    log.info("serving on port %d", service.port)
+    await service.serve_forever()
+    servicer.close()
+
+
+def main() -> None:
+    config = load_config(WorkerConfig)
+    log = setup_logging("worker")
+    log.info("config: %s", config)
+    asyncio.run(serve(config, log))
+
+
+if __name__ == "__main__":
+    main()

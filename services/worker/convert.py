@@ -1,0 +1,73 @@
+"""Protobuf <-> worker dataclasses: the only module (besides server.py) that
+touches worker_pb2."""
+from __future__ import annotations
+
+from services.worker.model_runner import ModelDescription
+from services.worker.sequence import SamplingParams, SequenceInput, StepResult
+from stormserve.worker.v1 import worker_pb2
+
+
+def sampling_from_proto(message: worker_pb2.SamplingParams) -> SamplingParams:
+    # The scheduler resolves every default, so each field is taken as sent.
+    return SamplingParams(
+        temperature=message.temperature,
+        top_k=message.top_k,
+        top_p=message.top_p,
+        seed=message.seed,
+        repetition_penalty=message.repetition_penalty,
+        presence_penalty=message.presence_penalty,
+        frequency_penalty=message.frequency_penalty,
+        top_logprobs=message.top_logprobs,
+    )
+
+
+def step_from_proto(request: worker_pb2.StepRequest) -> tuple[list[SequenceInput], list[int]]:
+    """The step's sequences (request order) and the seq ids to release first."""
+    inputs = [
+        SequenceInput(
+            seq_id=s.seq_id,
+            token_ids=list(s.token_ids),
+            num_computed_tokens=s.num_computed_tokens,
+            sample=s.sample,
+            sampling=sampling_from_proto(s.sampling) if s.HasField("sampling") else None,
+        )
+        for s in request.sequences
+    ]
+    return inputs, list(request.release_seq_ids)
+
+
+def step_to_proto(step_id: int, result: StepResult) -> worker_pb2.StepResponse:
+    response = worker_pb2.StepResponse(step_id=step_id, execute_time_us=result.execute_time_us)
+    for token in result.tokens:
+        entry = response.tokens.add(seq_id=token.seq_id, token_id=token.token_id)
+        if token.logprob is not None:
+            entry.logprob = token.logprob
+        for alternative in token.top_logprobs:
+            entry.top_logprobs.add(token_id=alternative.token_id, logprob=alternative.logprob)
+    return response
+
+
+def describe_to_proto(description: ModelDescription) -> worker_pb2.DescribeResponse:
+    defaults = description.sampling_defaults
+    sampling_defaults = worker_pb2.SamplingDefaults()
+    # optional fields: only set what the model's generation_config defines.
+    if defaults.temperature is not None:
+        sampling_defaults.temperature = defaults.temperature
+    if defaults.top_k is not None:
+        sampling_defaults.top_k = defaults.top_k
+    if defaults.top_p is not None:
+        sampling_defaults.top_p = defaults.top_p
+    if defaults.repetition_penalty is not None:
+        sampling_defaults.repetition_penalty = defaults.repetition_penalty
+    return worker_pb2.DescribeResponse(
+        model_path=description.model_path,
+        vocab_size=description.vocab_size,
+        eos_token_ids=description.eos_token_ids,
+        max_position_embeddings=description.max_position_embeddings,
+        device=description.device,
+        dtype=description.dtype,
+        num_kv_blocks=description.num_kv_blocks,
+        block_size=description.block_size,
+        max_batch_size=description.max_batch_size,
+        sampling_defaults=sampling_defaults,
+    )

@@ -1,0 +1,56 @@
+"""WorkerService wiring: Describe, and Step run on one dedicated thread so the
+asyncio loop (health checks, other calls) never waits on the model."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from services.common.errors import ServiceError
+from services.worker import convert
+from services.worker.model_runner import ModelRunner
+from stormserve.worker.v1 import worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
+    """Answers UNAVAILABLE until `attach` hands it a loaded, warmed-up runner."""
+
+    def __init__(self, runner: ModelRunner | None = None):
+        # One thread: steps are strictly ordered and the runner is single-threaded.
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="worker-step")
+        self._runner: ModelRunner | None = None
+        self._description: worker_pb2.DescribeResponse | None = None
+        if runner is not None:
+            self.attach(runner)
+
+    def attach(self, runner: ModelRunner) -> None:
+        self._runner = runner
+        self._description = convert.describe_to_proto(runner.describe())
+
+    def _require_runner(self) -> ModelRunner:
+        if self._runner is None:
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, "the worker is still loading its model")
+        return self._runner
+
+    async def Describe(self, request: worker_pb2.DescribeRequest, context) -> worker_pb2.DescribeResponse:
+        self._require_runner()
+        return self._description
+
+    async def Step(self, request: worker_pb2.StepRequest, context) -> worker_pb2.StepResponse:
+        runner = self._require_runner()
+        inputs, release_seq_ids = convert.step_from_proto(request)
+        loop = asyncio.get_running_loop()
+        result = await loop.run_in_executor(self._executor, runner.step, inputs, release_seq_ids)
+        log.debug(
+            "step %d: %d sequences, %d tokens, %d released, %.1f ms",
+            request.step_id, len(inputs), sum(len(s.token_ids) for s in inputs),
+            len(release_seq_ids), result.execute_time_us / 1000,
+        )
+        return convert.step_to_proto(request.step_id, result)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)

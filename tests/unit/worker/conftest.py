@@ -1,0 +1,40 @@
+"""Shared fixtures: the real bundled model in float32 (loads in well under a second)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from services.common.model_files import default_model_path, resolve_model
+from services.worker.backend import select_backend
+from services.worker.model_runner import ModelRunner
+
+# Small blocks so short test sequences still cross several block boundaries.
+TEST_BLOCK_SIZE = 4
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    return resolve_model(default_model_path())
+
+
+@pytest.fixture(scope="session")
+def runner(model_dir: Path) -> ModelRunner:
+    return ModelRunner(
+        model_dir,
+        select_backend("cpu"),
+        dtype="float32",
+        block_size=TEST_BLOCK_SIZE,
+        kv_cache_bytes=64 * 2**20,
+        max_batch_size=16,
+    )
+
+
+@pytest.fixture(scope="session")
+def reference_model(model_dir: Path):
+    """The plain HF model (stock sdpa attention, no paging) as the ground truth."""
+    return AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="sdpa"
+    ).eval()

@@ -1,0 +1,88 @@
+"""WorkerService over real gRPC (in-process server on port 0): conversion,
+status codes, and the not-yet-loaded state."""
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from services.common.errors import ErrorInterceptor
+from services.worker.model_runner import ModelRunner
+from services.worker.server import WorkerServicer
+from stormserve.worker.v1 import worker_pb2, worker_pb2_grpc
+
+
+async def _with_server(servicer: WorkerServicer, calls):
+    server = grpc.aio.server(interceptors=[ErrorInterceptor()])
+    worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as chan:
+            return await calls(worker_pb2_grpc.WorkerServiceStub(chan))
+    finally:
+        await server.stop(None)
+
+
+def _sampling(**overrides) -> worker_pb2.SamplingParams:
+    values = dict(temperature=0.0, top_k=0, top_p=1.0, seed=1, repetition_penalty=1.0, top_logprobs=-1)
+    values.update(overrides)
+    return worker_pb2.SamplingParams(**values)
+
+
+def test_describe_and_steps_over_grpc(runner: ModelRunner):
+    async def calls(stub):
+        info = await stub.Describe(worker_pb2.DescribeRequest())
+        first = await stub.Step(worker_pb2.StepRequest(step_id=1, sequences=[
+            worker_pb2.SequenceStep(
+                seq_id=701, token_ids=[10, 11, 12], sample=True, sampling=_sampling(top_logprobs=3)
+            ),
+            worker_pb2.SequenceStep(seq_id=702, token_ids=[20, 21], sample=False, sampling=_sampling()),
+        ]))
+        token = first.tokens[0].token_id
+        second = await stub.Step(worker_pb2.StepRequest(step_id=2, release_seq_ids=[702], sequences=[
+            worker_pb2.SequenceStep(seq_id=701, token_ids=[token], num_computed_tokens=3, sample=True),
+        ]))
+        await stub.Step(worker_pb2.StepRequest(step_id=3, release_seq_ids=[701]))
+        return info, first, second
+
+    free = runner.num_free_blocks
+    info, first, second = asyncio.run(_with_server(WorkerServicer(runner), calls))
+    assert info.vocab_size == 49152 and list(info.eos_token_ids) == [2]
+    assert info.num_kv_blocks == runner.kv_pool.num_blocks and info.block_size == 4
+    assert not info.sampling_defaults.HasField("temperature")  # the model defines none
+    assert [t.seq_id for t in first.tokens] == [701]  # 702 was a prefill chunk without sampling
+    assert first.tokens[0].HasField("logprob") and len(first.tokens[0].top_logprobs) == 3
+    assert first.step_id == 1 and first.execute_time_us > 0
+    assert second.tokens[0].seq_id == 701
+    assert second.tokens[0].HasField("logprob")  # sampling params kept from the first step
+    assert runner.num_free_blocks == free
+
+
+@pytest.mark.parametrize(
+    "sequence, code",
+    [
+        (worker_pb2.SequenceStep(seq_id=801, token_ids=[1], sample=True), grpc.StatusCode.INVALID_ARGUMENT),
+        (worker_pb2.SequenceStep(seq_id=801, token_ids=[1], sample=True, sampling=_sampling(top_p=0.0)),
+         grpc.StatusCode.INVALID_ARGUMENT),
+        (worker_pb2.SequenceStep(seq_id=801, token_ids=[1] * 100_000, sample=True, sampling=_sampling()),
+         grpc.StatusCode.INVALID_ARGUMENT),  # longer than max_position_embeddings
+    ],
+)
+def test_bad_steps_map_to_status_codes(runner: ModelRunner, sequence, code):
+    async def calls(stub):
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.Step(worker_pb2.StepRequest(step_id=1, sequences=[sequence]))
+        return info.value.code()
+
+    assert asyncio.run(_with_server(WorkerServicer(runner), calls)) == code
+
+
+def test_unavailable_until_the_model_is_loaded():
+    async def calls(stub):
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.Describe(worker_pb2.DescribeRequest())
+        return info.value.code()
+
+    assert asyncio.run(_with_server(WorkerServicer(), calls)) == grpc.StatusCode.UNAVAILABLE

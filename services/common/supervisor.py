@@ -51,11 +51,13 @@ class Chain:
 
     def start(self) -> None:
         workers = [f"127.0.0.1:{p}" for p in self.worker_ports]
+        # Internal services stay on loopback whatever STORMSERVE_HOST says (it is the edge's).
+        internal = ("--host", "127.0.0.1")
         for i, port in enumerate(self.worker_ports):
-            self._spawn(f"worker{i}", "services.worker", "--port", str(port))
-        self._spawn("scheduler", "services.scheduler", "--port", str(self.scheduler_port),
+            self._spawn(f"worker{i}", "services.worker", *internal, "--port", str(port))
+        self._spawn("scheduler", "services.scheduler", *internal, "--port", str(self.scheduler_port),
                     "--worker-addresses", ",".join(workers))
-        self._spawn("tokenizer", "services.tokenizer", "--port", str(self.tokenizer_port),
+        self._spawn("tokenizer", "services.tokenizer", *internal, "--port", str(self.tokenizer_port),
                     "--scheduler-address", f"127.0.0.1:{self.scheduler_port}")
         self._spawn("http_edge", "services.http_edge", "--host", self.host, "--port", str(self.edge_port),
                     "--tokenizer-address", f"127.0.0.1:{self.tokenizer_port}")

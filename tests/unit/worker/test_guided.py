@@ -1,0 +1,87 @@
+"""Constrained decoding: whatever the logits say, the masked choice follows the grammar."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from services.common.model_files import default_model_path, resolve_model
+from services.worker.guided import GrammarError, GrammarSpec, GuidedDecoding
+
+EOS = 2
+VOCAB = 49152
+SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 12}, "days": {"type": "integer"},
+                   "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "days", "unit"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(resolve_model(default_model_path()))
+
+
+@pytest.fixture(scope="module")
+def guided(tokenizer):
+    return GuidedDecoding(tokenizer, VOCAB, [EOS])
+
+
+def generate(guided, spec, seed, bias=None, max_steps=300):
+    """Greedy over random logits (biased towards `bias` tokens), masked by the grammar."""
+    generator = torch.Generator().manual_seed(seed)
+    matcher = guided.compile(spec)
+    tokens = []
+    for _ in range(max_steps):
+        logits = torch.randn(2, VOCAB, generator=generator)
+        if bias is not None:
+            logits[:, bias] += 6.0
+        guided.mask_logits(logits, [None, matcher])  # row 0 is an unconstrained neighbour
+        token = int(logits[1].argmax())
+        if token == EOS:
+            return tokens, matcher
+        guided.advance(matcher, token)
+        tokens.append(token)
+    raise AssertionError("the grammar never let the sequence end")
+
+
+def closing_bias(tokenizer):
+    # Pull random walks towards short strings and closing quotes/braces so they end.
+    ids = {tokenizer.convert_tokens_to_ids(t) for t in ['"', "}", ",", 'Ġ"']}
+    return torch.tensor(sorted(ids | {EOS}))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_json_schema_output_validates(guided, tokenizer, seed):
+    tokens, matcher = generate(guided, GrammarSpec("json_schema", json.dumps(SCHEMA)), seed,
+                               bias=closing_bias(tokenizer))
+    value = json.loads(tokenizer.decode(tokens))
+    assert set(value) == {"city", "days", "unit"}
+    assert isinstance(value["city"], str) and len(value["city"]) <= 12
+    assert isinstance(value["days"], int) and value["unit"] in ("celsius", "fahrenheit")
+    assert matcher.is_stopped() or matcher.is_accepting()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_json_object_output_parses(guided, tokenizer, seed):
+    tokens, _ = generate(guided, GrammarSpec("json_object"), seed, bias=closing_bias(tokenizer))
+    assert isinstance(json.loads(tokenizer.decode(tokens)), dict)
+
+
+def test_unconstrained_rows_are_untouched(guided):
+    logits = torch.randn(2, VOCAB)
+    before = logits.clone()
+    guided.mask_logits(logits, [None, guided.compile(GrammarSpec("json_object"))])
+    assert torch.equal(logits[0], before[0])
+    assert torch.isinf(logits[1]).sum() > VOCAB // 2
+
+
+def test_bad_schema_is_a_clear_error(guided):
+    with pytest.raises(GrammarError):
+        guided.compile(GrammarSpec("json_schema", "{not json"))
+    with pytest.raises(GrammarError):
+        guided.compile(GrammarSpec("json_schema", json.dumps({"type": "no-such-type"})))

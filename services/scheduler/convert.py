@@ -5,6 +5,7 @@ import random
 
 from services.common.errors import invalid_argument
 from services.scheduler.config import SchedulerConfig
+from services.scheduler.engine import EngineLoop
 from services.scheduler.sequence import (
     FinishReason,
     SamplingParams,
@@ -85,7 +86,26 @@ def to_response(seq: Sequence, events: list[TokenEvent], is_first: bool) -> sche
     )
     if is_first:
         reply.prompt_tokens = seq.num_prompt_tokens
+        reply.cached_tokens = seq.num_cached_tokens
     if seq.is_finished and seq.finish_reason is not None:
         reply.finish_reason = _FINISH[seq.finish_reason]
         reply.ended_by_stop_token = seq.ended_by_stop_token
     return reply
+
+
+def to_worker_load(engine: EngineLoop) -> scheduler_pb2.WorkerLoad:
+    load = scheduler_pb2.WorkerLoad(
+        address=engine.worker.address,
+        is_ready=engine.is_ready,
+        num_steps=engine.num_steps,
+        num_sequences=engine.num_sequences,
+    )
+    policy = engine.policy
+    if policy is not None:
+        load.num_waiting = len(policy.waiting)
+        load.num_running = len(policy.running)
+        load.num_kv_blocks = policy.capacity.num_kv_blocks
+        load.num_free_kv_blocks = policy.num_free_blocks
+        load.num_preemptions = policy.num_preemptions
+        load.num_cached_tokens = policy.num_cached_tokens
+    return load

@@ -39,6 +39,7 @@ class EngineLoop:
         self.max_prefill_tokens = max_prefill_tokens
         self.policy: BatchPolicy | None = None
         self.num_steps = 0
+        self.num_sequences = 0  # placed here since start
         self._streams: dict[int, asyncio.Queue[StreamItem]] = {}
         self._wakeup = asyncio.Event()
         self._ready = asyncio.Event()
@@ -51,6 +52,10 @@ class EngineLoop:
     @property
     def load(self) -> int:
         return self.policy.num_unfinished if self.policy else 0
+
+    def num_cached_prefix_tokens(self, seq: Sequence) -> int:
+        """Prompt tokens of `seq` this worker's prefix cache holds now."""
+        return self.policy.num_cached_prefix_tokens(seq) if self.policy else 0
 
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._watch_health()), asyncio.create_task(self._run())]
@@ -65,6 +70,7 @@ class EngineLoop:
         """Queue a sequence; raises CapacityError if it can never fit."""
         assert self.policy is not None and self.is_ready
         self.policy.add(seq)
+        self.num_sequences += 1
         stream: asyncio.Queue[StreamItem] = asyncio.Queue()
         self._streams[seq.seq_id] = stream
         self._wakeup.set()

@@ -1,25 +1,23 @@
 """Continuous batching for one worker: which sequences run in the next step.
 
-Every step decodes all running sequences and admits waiting ones first come,
-first served while the batch limit, the prefill-token budget and the worker's
-KV capacity allow. Requests join between steps and leave when they finish, so
-a long request never keeps a short one from starting.
+Each step (SplitFuse) first decodes every running sequence that has finished
+its prompt, then fills the rest of the batch with prefill chunks — running
+sequences part-way through their prompt first, then waiting ones first come,
+first served — under the prefill-token budget and the batch limit. A long
+prompt thus runs as several chunks while decodes keep flowing.
 
-KV capacity is reserved for a sequence's whole life (prompt + max output) on
-admission, so a running sequence can never run out of cache mid-generation.
+KV blocks are taken on demand (BlockManager), with prefix-cache hits at
+admission. When a decode cannot get a block, the newest running sequence is
+preempted: its blocks are freed and it goes back to the head of the waiting
+queue, to be recomputed (prompt and outputs so far) when room returns.
 """
 from __future__ import annotations
 
-import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from services.scheduler.sequence import (
-    FinishReason,
-    Sequence,
-    SequenceStatus,
-    TokenEvent,
-)
+from services.scheduler.block_manager import BlockManager
+from services.scheduler.sequence import FinishReason, Sequence, SequenceStatus, TokenEvent
 
 
 @dataclass(frozen=True)
@@ -32,15 +30,38 @@ class WorkerCapacity:
     eos_token_ids: frozenset[int]
 
 
+@dataclass(frozen=True)
+class ScheduledSequence:
+    """One sequence's part of a step: `num_new_tokens` tokens from `num_computed_tokens` on."""
+
+    seq: Sequence
+    num_computed_tokens: int
+    num_new_tokens: int
+    # False for a prefill chunk that does not reach the end of the sequence. Fixed
+    # at planning: the sequence grows once the step's token is appended.
+    is_sampling: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "is_sampling", self.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.seq.all_token_ids[self.num_computed_tokens : self.num_computed_tokens + self.num_new_tokens]
+
+
 @dataclass
 class StepPlan:
     step_id: int
-    sequences: list[Sequence]
+    scheduled: list[ScheduledSequence]
     release_seq_ids: list[int] = field(default_factory=list)
 
     @property
+    def sequences(self) -> list[Sequence]:
+        return [s.seq for s in self.scheduled]
+
+    @property
     def batch_size(self) -> int:
-        return len(self.sequences)
+        return len(self.scheduled)
 
 
 @dataclass(frozen=True)
@@ -60,27 +81,33 @@ class BatchPolicy:
         self.capacity = capacity
         self.max_batch_size = min(max_batch_size, capacity.max_batch_size)
         self.max_prefill_tokens = max_prefill_tokens
+        self.blocks = BlockManager(capacity.num_kv_blocks, capacity.block_size)
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
-        self._num_reserved_blocks = 0
+        self.running: list[Sequence] = []  # admission order: the last is the newest
+        self.num_preemptions = 0
+        self.num_cached_tokens = 0  # prefix-cache hits, in tokens, over all admissions
         self._to_release: list[int] = []
         self._next_step_id = 0
 
     # -- admission ---------------------------------------------------------
-    def blocks_needed(self, seq: Sequence) -> int:
-        return math.ceil((seq.num_prompt_tokens + seq.stopping.max_tokens) / self.capacity.block_size)
-
     def add(self, seq: Sequence) -> None:
-        if self.blocks_needed(seq) > self.capacity.num_kv_blocks:
+        needed = self.blocks.blocks_for(seq.num_prompt_tokens + seq.stopping.max_tokens)
+        if needed > self.capacity.num_kv_blocks:
             raise CapacityError(
                 f"prompt ({seq.num_prompt_tokens} tokens) + max_tokens ({seq.stopping.max_tokens}) "
                 f"exceeds the KV cache ({self.capacity.num_kv_blocks * self.capacity.block_size} tokens)"
             )
         self.waiting.append(seq)
 
+    def num_cached_prefix_tokens(self, seq: Sequence) -> int:
+        """Prompt tokens `seq` would reuse here (for placement across workers)."""
+        if seq.sampling.has_penalties:
+            return 0
+        return self.blocks.num_cached_tokens(seq.prompt_token_ids)
+
     @property
     def num_free_blocks(self) -> int:
-        return self.capacity.num_kv_blocks - self._num_reserved_blocks
+        return self.blocks.num_free_blocks
 
     @property
     def num_unfinished(self) -> int:
@@ -91,22 +118,32 @@ class BatchPolicy:
 
     # -- the three verbs -----------------------------------------------------
     def schedule(self) -> StepPlan | None:
-        """Plan the next step: every running sequence decodes; waiting ones join while they fit."""
-        batch = list(self.running)
-        num_prefill_tokens = 0
-        while self.waiting and len(batch) < self.max_batch_size:
-            seq = self.waiting[0]
-            need = self.blocks_needed(seq)
-            prompt = seq.num_prompt_tokens
-            over_budget = num_prefill_tokens + prompt > self.max_prefill_tokens and num_prefill_tokens > 0
-            if need > self.num_free_blocks or over_budget:
+        """Plan the next step: decodes first, then prefill chunks while budget and blocks allow."""
+        batch: list[ScheduledSequence] = []
+        has_preempted = self._schedule_decodes(batch)
+        budget = self.max_prefill_tokens
+        for seq in list(self.running):  # prompts part-way done continue first
+            if seq.status is not SequenceStatus.RUNNING or seq.num_tokens - seq.num_computed_tokens <= 1:
+                continue
+            if budget == 0 or len(batch) >= self.max_batch_size:
                 break
-            self.waiting.popleft()
-            self._num_reserved_blocks += need
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            batch.append(seq)
-            num_prefill_tokens += prompt
+            chunk = self._grow_chunk(seq, budget)
+            while chunk == 0 and not batch and self.running[-1] is not seq:
+                # Partial prompts hold every block and nothing decodes: no step would
+                # ever free one, so make room as a decode would.
+                self.preempt(self.running[-1])
+                has_preempted = True
+                chunk = self._grow_chunk(seq, budget)
+            if chunk == 0:
+                break
+            batch.append(ScheduledSequence(seq, seq.num_computed_tokens, chunk))
+            budget -= chunk
+        # No admissions in a step that preempted: the room is for those already running.
+        while self.waiting and not has_preempted and budget > 0 and len(batch) < self.max_batch_size:
+            seq = self.waiting[0]
+            if not self._admit(seq, budget, batch):
+                break  # first come, first served: never skip the head
+            budget -= batch[-1].num_new_tokens
         if not batch and not self._to_release:
             return None
         plan = StepPlan(self._next_step_id, batch, self._to_release)
@@ -116,14 +153,18 @@ class BatchPolicy:
 
     def postprocess(self, plan: StepPlan, sampled: dict[int, SampledToken], started_us: int,
                     finished_us: int) -> list[tuple[Sequence, TokenEvent]]:
-        """Append each sequence's new token, record its statistics, finish what is done."""
+        """Commit computed KV, append each sampled token with its statistics, finish what is done."""
         events = []
-        for seq in plan.sequences:
-            if seq.is_finished:  # aborted while the step ran
+        for entry in plan.scheduled:
+            seq = entry.seq
+            if seq.is_finished or seq.status is not SequenceStatus.RUNNING:  # aborted while the step ran
+                continue
+            seq.is_sent_to_worker = True
+            seq.num_computed_tokens = entry.num_computed_tokens + entry.num_new_tokens
+            self.blocks.commit(seq)
+            if not entry.is_sampling:
                 continue
             token = sampled[seq.seq_id]
-            seq.is_sent_to_worker = True
-            seq.num_computed_tokens = seq.num_tokens
             seq.output_token_ids.append(token.token_id)
             event = TokenEvent(
                 token_id=token.token_id,
@@ -139,25 +180,83 @@ class BatchPolicy:
         return events
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
-        """End a sequence (abort or error): it leaves the queue or batch and its KV is released."""
+        """End a sequence (abort or error): it leaves the queue or batch and its blocks are freed."""
         if seq.is_finished:
             return
         if seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         else:
             self.running.remove(seq)
-            self._num_reserved_blocks -= self.blocks_needed(seq)
+            # Freed now, though a step may still be writing them: the next plan —
+            # the first that could hand them out again — comes after that step.
+            self.blocks.free(seq)
             # Released even if its first step is still in flight: releasing an
             # id the worker does not hold is a no-op, a missed release a leak.
             self._to_release.append(seq.seq_id)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 
+    def preempt(self, seq: Sequence) -> None:
+        """Free a running sequence's blocks; it waits at the head of the queue to be recomputed."""
+        self.running.remove(seq)
+        self.blocks.free(seq)
+        seq.num_computed_tokens = 0
+        seq.is_sent_to_worker = False  # the worker releases its state and needs sampling again
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self._to_release.append(seq.seq_id)
+        self.num_preemptions += 1
+
     def forget_worker_state(self) -> None:
         """The worker restarted or died: nothing it held needs releasing any more."""
         self._to_release = []
 
     # -- helpers -----------------------------------------------------------
+    def _schedule_decodes(self, batch: list[ScheduledSequence]) -> bool:
+        """Add a one-token step for every decoding sequence; returns whether any was preempted."""
+        has_preempted = False
+        for seq in list(self.running):
+            if seq.status is not SequenceStatus.RUNNING or seq.num_tokens - seq.num_computed_tokens != 1:
+                continue
+            if len(batch) >= self.max_batch_size:
+                break
+            while not self.blocks.can_grow(seq, seq.num_tokens):
+                victim = self.running[-1]  # the newest: it has the least work to lose
+                self.preempt(victim)
+                has_preempted = True
+                if victim is seq:
+                    break
+            if seq.status is SequenceStatus.RUNNING:
+                self.blocks.grow(seq, seq.num_tokens)
+                batch.append(ScheduledSequence(seq, seq.num_computed_tokens, 1))
+        return has_preempted
+
+    def _grow_chunk(self, seq: Sequence, budget: int) -> int:
+        """Take blocks for the next prefill chunk of `seq`, as long as budget and blocks allow."""
+        end = min(seq.num_tokens, seq.num_computed_tokens + budget, self.blocks.max_tokens_for(seq))
+        if end <= seq.num_computed_tokens:
+            return 0
+        self.blocks.grow(seq, end)
+        return end - seq.num_computed_tokens
+
+    def _admit(self, seq: Sequence, budget: int, batch: list[ScheduledSequence]) -> bool:
+        # Penalties need the whole history on the worker, so those sequences skip the cache.
+        cached = self.blocks.allocate_prefix(seq, use_cache=not seq.sampling.has_penalties)
+        seq.num_computed_tokens = cached
+        chunk = self._grow_chunk(seq, budget)
+        if chunk == 0:
+            self.blocks.free(seq)
+            seq.num_computed_tokens = 0
+            return False
+        if not seq.output_token_ids:  # reported with the first token; a re-admission keeps it
+            seq.num_cached_tokens = cached
+        self.num_cached_tokens += cached
+        self.waiting.popleft()
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        batch.append(ScheduledSequence(seq, cached, chunk))
+        return True
+
     def _check_finished(self, seq: Sequence, token_id: int) -> None:
         stopping = seq.stopping
         is_eos = token_id in self.capacity.eos_token_ids and not stopping.ignore_eos

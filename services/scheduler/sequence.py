@@ -30,6 +30,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     top_logprobs: int = -1  # -1: no log-probabilities
 
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
 
 @dataclass(frozen=True)
 class StoppingCriteria:
@@ -64,8 +68,16 @@ class Sequence:
     ended_by_stop_token: bool = False
     # Time of the last token delivered (or arrival): queue wait and latency count from here.
     last_event_us: int = 0
+    # Tokens whose KV the worker holds (prefix-cache hits count from admission).
     num_computed_tokens: int = 0
+    # Whether the worker holds the sequence's sampling state (False again after preemption).
     is_sent_to_worker: bool = False
+    # Prompt tokens served from the prefix cache, as reported with the first token.
+    num_cached_tokens: int = 0
+    # KV blocks on the worker, owned by the BlockManager, and the chain hashes of
+    # the full blocks already computed (the prefix-cache keys).
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.last_event_us = self.last_event_us or self.arrival_us
@@ -82,7 +94,11 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
     def tokens_to_feed(self) -> list[int]:
-        """Tokens whose KV is not computed yet: the prompt first, then the last sample."""
-        all_tokens = self.prompt_token_ids + self.output_token_ids
-        return all_tokens[self.num_computed_tokens :]
+        """Tokens whose KV is not computed yet: the prompt first, then the last sample
+        (after a preemption: the prompt and every output so far)."""
+        return self.all_token_ids[self.num_computed_tokens :]

@@ -9,7 +9,7 @@ import grpc
 
 from services.common.errors import ServiceError
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.convert import to_response, to_sequence
+from services.scheduler.convert import to_response, to_sequence, to_worker_load
 from services.scheduler.engine import EngineLoop, SequenceFailed, now_us
 from services.scheduler.policy import CapacityError
 from services.scheduler.router import Router
@@ -70,4 +70,5 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             num_running=sum(len(e.policy.running) for e in engines if e.policy),
             num_workers_ready=len(self.router.ready_engines),
             num_steps=sum(e.num_steps for e in engines),
+            workers=[to_worker_load(e) for e in engines],
         )

@@ -5,8 +5,7 @@ from __future__ import annotations
 import grpc
 
 from services.common.grpc_server import channel, is_serving
-from services.scheduler.policy import SampledToken, StepPlan, WorkerCapacity
-from services.scheduler.sequence import Sequence
+from services.scheduler.policy import SampledToken, ScheduledSequence, StepPlan, WorkerCapacity
 from stormserve.worker.v1 import worker_pb2, worker_pb2_grpc
 
 
@@ -36,7 +35,7 @@ class WorkerClient:
     async def step(self, plan: StepPlan) -> dict[int, SampledToken]:
         request = worker_pb2.StepRequest(
             step_id=plan.step_id,
-            sequences=[_sequence_step(seq) for seq in plan.sequences],
+            sequences=[_sequence_step(entry) for entry in plan.scheduled],
             release_seq_ids=plan.release_seq_ids,
         )
         try:
@@ -57,14 +56,17 @@ class WorkerClient:
         await self._channel.close()
 
 
-def _sequence_step(seq: Sequence) -> worker_pb2.SequenceStep:
+def _sequence_step(entry: ScheduledSequence) -> worker_pb2.SequenceStep:
+    seq = entry.seq
     step = worker_pb2.SequenceStep(
         seq_id=seq.seq_id,
-        token_ids=seq.tokens_to_feed(),
-        num_computed_tokens=seq.num_computed_tokens,
-        sample=True,
+        token_ids=entry.token_ids,
+        num_computed_tokens=entry.num_computed_tokens,
+        sample=entry.is_sampling,
+        block_table=seq.block_table,
     )
     if not seq.is_sent_to_worker:
+        step.num_prompt_tokens = seq.num_prompt_tokens
         s = seq.sampling
         step.sampling.CopyFrom(
             worker_pb2.SamplingParams(

@@ -30,6 +30,8 @@ def step_from_proto(request: worker_pb2.StepRequest) -> tuple[list[SequenceInput
             num_computed_tokens=s.num_computed_tokens,
             sample=s.sample,
             sampling=sampling_from_proto(s.sampling) if s.HasField("sampling") else None,
+            block_table=list(s.block_table),
+            num_prompt_tokens=s.num_prompt_tokens,
         )
         for s in request.sequences
     ]

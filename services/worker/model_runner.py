@@ -1,9 +1,12 @@
 """Runs the model one step at a time over the paged KV cache.
 
 A step: release finished sequences, check the batch against what the worker
-holds, grow block tables, pack every sequence's new tokens into one row, run
-the HF model once (logits only for the last token of each sampling sequence),
-sample on the device, and commit the new cache lengths.
+holds, pack every sequence's new tokens into one row, run the HF model once
+(logits only for the last token of each sampling sequence), sample on the
+device, and commit the new cache lengths.
+
+The scheduler owns the KV blocks: every input carries its block table, and the
+worker reads and writes the pool only through it (it allocates nothing itself).
 
 Not thread-safe by design: the server calls `step` from one worker thread.
 """
@@ -22,7 +25,7 @@ from transformers.utils import logging as hf_logging
 from services.common.errors import invalid_argument
 from services.worker import attention, sampler
 from services.worker.backend import Backend, torch_dtype
-from services.worker.kv_cache import BlockAllocator, KVCachePool, KVCacheSpec
+from services.worker.kv_cache import KVCachePool, KVCacheSpec
 from services.worker.penalties import apply_penalties
 from services.worker.sequence import SampledToken, SamplingParams, SequenceInput, StepResult
 
@@ -63,6 +66,12 @@ class SequenceState:
     sampling: SamplingParams
     generator: torch.Generator | None  # None for greedy sequences
     num_cached_tokens: int = 0
+    # Tokens before this position are prompt; None until known (the first sample
+    # fixes it when the scheduler did not say). Tokens after it are outputs.
+    num_prompt_tokens: int | None = None
+    # Outputs drawn from `generator` so far: a sequence recomputed after a
+    # preemption skips the draws of its earlier outputs, so a seed gives the same text.
+    num_draws: int = 0
     # Token history, kept only for sequences with penalties.
     prompt_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
@@ -101,7 +110,7 @@ class ModelRunner:
         with torch.inference_mode():
             spec = KVCacheSpec.from_model_config(self.model.config, block_size, dtype_t)
             self.kv_pool = KVCachePool.from_budget(spec, kv_cache_bytes, backend.device)
-        self.blocks = BlockAllocator(self.kv_pool.num_blocks, block_size)
+        self.block_size = block_size
         self.sequences: dict[int, SequenceState] = {}
         log.info(
             "loaded %s (%s, %s) in %.2f s",
@@ -119,7 +128,7 @@ class ModelRunner:
             device=self.backend.name,
             dtype=self.dtype_name,
             num_kv_blocks=self.kv_pool.num_blocks,
-            block_size=self.blocks.block_size,
+            block_size=self.block_size,
             max_batch_size=self.max_batch_size,
             sampling_defaults=SamplingDefaults(
                 temperature=generation.temperature,
@@ -129,13 +138,8 @@ class ModelRunner:
             ),
         )
 
-    @property
-    def num_free_blocks(self) -> int:
-        return self.blocks.num_free_blocks
-
     def release(self, seq_id: int) -> None:
-        """Forget a sequence: free its blocks and sampling state (unknown ids: no-op)."""
-        self.blocks.release(seq_id)
+        """Forget a sequence's sampling state (unknown ids: no-op); its blocks are the scheduler's."""
         self.sequences.pop(seq_id, None)
 
     @torch.inference_mode()
@@ -158,15 +162,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, inputs: list[SequenceInput]) -> torch.Tensor:
-        """Validate, grow the KV cache, run the packed forward and commit the new lengths.
+        """Validate, run the packed forward and commit the new cache lengths.
 
         Returns logits [num inputs with sample=True, vocab] in input order.
         """
         self._validate(inputs)
-        self.blocks.allocate({s.seq_id: s.num_computed_tokens + len(s.token_ids) for s in inputs})
         for s in inputs:
             if s.seq_id not in self.sequences:
-                self.sequences[s.seq_id] = self._new_state(s.sampling)
+                self.sequences[s.seq_id] = self._new_state(s)
         logits = self._run_model(inputs)
         for s in inputs:
             state = self.sequences[s.seq_id]
@@ -195,11 +198,8 @@ class ModelRunner:
                 if s.sampling is None:
                     raise invalid_argument(f"seq {s.seq_id}: sampling is required on its first step")
                 s.sampling.validate()
-                if s.num_computed_tokens != 0:
-                    raise invalid_argument(
-                        f"seq {s.seq_id} is new to this worker but num_computed_tokens is "
-                        f"{s.num_computed_tokens}"
-                    )
+                if s.num_computed_tokens < 0 or s.num_prompt_tokens < 0:
+                    raise invalid_argument(f"seq {s.seq_id}: negative num_computed_tokens or num_prompt_tokens")
             elif s.num_computed_tokens != state.num_cached_tokens:
                 raise invalid_argument(
                     f"seq {s.seq_id}: num_computed_tokens {s.num_computed_tokens} but the worker "
@@ -210,14 +210,28 @@ class ModelRunner:
                 raise invalid_argument(
                     f"seq {s.seq_id}: {context} tokens exceed the model's {self.max_position_embeddings}"
                 )
+            self._validate_block_table(s, context)
 
-    def _new_state(self, sampling: SamplingParams) -> SequenceState:
+    def _validate_block_table(self, s: SequenceInput, context: int) -> None:
+        # Out-of-range ids would index past the pool; a short table would map
+        # positions onto padding. Both are scheduler bugs: refuse the step.
+        if len(s.block_table) * self.block_size < context:
+            raise invalid_argument(
+                f"seq {s.seq_id}: block table of {len(s.block_table)} blocks x {self.block_size} "
+                f"tokens cannot hold {context} tokens"
+            )
+        if s.block_table and (min(s.block_table) < 0 or max(s.block_table) >= self.kv_pool.num_blocks):
+            raise invalid_argument(f"seq {s.seq_id}: block id outside [0, {self.kv_pool.num_blocks})")
+
+    def _new_state(self, s: SequenceInput) -> SequenceState:
+        sampling = s.sampling
+        assert sampling is not None  # checked by _validate
         generator = None
         if not sampling.is_greedy:
             # Seeded once: the sequence's draws depend on its seed alone, not on the batch.
             generator = torch.Generator()  # CPU: the sampler draws one scalar per token
             generator.manual_seed(sampling.seed)
-        return SequenceState(sampling=sampling, generator=generator)
+        return SequenceState(sampling=sampling, generator=generator, num_prompt_tokens=s.num_prompt_tokens or None)
 
     def _run_model(self, inputs: list[SequenceInput]) -> torch.Tensor:
         device = self.backend.device
@@ -225,7 +239,7 @@ class ModelRunner:
             self.kv_pool,
             [len(s.token_ids) for s in inputs],
             [s.num_computed_tokens for s in inputs],
-            [self.blocks.block_table(s.seq_id) for s in inputs],
+            [s.block_table for s in inputs],
             device,
         )
         flat_ids = [t for s in inputs for t in s.token_ids]
@@ -247,13 +261,21 @@ class ModelRunner:
         return output.logits[0]  # [num sampling sequences, vocab]
 
     def _record_fed_tokens(self, state: SequenceState, s: SequenceInput) -> None:
-        # A fed token at a position the worker already sampled is that sample coming back.
+        # A fed token at a position the worker already sampled is that sample coming back;
+        # tokens past the prompt fed on a first step are outputs being recomputed.
         known = len(state.prompt_token_ids) + len(state.output_token_ids)
-        skip = max(0, known - s.num_computed_tokens)
-        state.prompt_token_ids.extend(s.token_ids[skip:])
+        for position, token in enumerate(s.token_ids, start=s.num_computed_tokens):
+            if position < known:
+                continue
+            if state.num_prompt_tokens is None or position < state.num_prompt_tokens:
+                state.prompt_token_ids.append(token)
+            else:
+                state.output_token_ids.append(token)
 
     def _sample(self, logits: torch.Tensor, inputs: list[SequenceInput]) -> list[SampledToken]:
         states = [self.sequences[s.seq_id] for s in inputs]
+        for state in states:
+            self._skip_recomputed_draws(state)
         params = [st.sampling for st in states]
         if any(p.has_penalties for p in params):
             logits = apply_penalties(
@@ -270,12 +292,29 @@ class ModelRunner:
             tokens.append(SampledToken(s.seq_id, out.token_ids[i], out.logprobs[i], out.top_logprobs[i]))
         return tokens
 
+    @staticmethod
+    def _skip_recomputed_draws(state: SequenceState) -> None:
+        """Advance the generator past outputs sampled before a preemption (the
+        sampler draws one scalar per token of a non-greedy sequence)."""
+        if state.num_prompt_tokens is None:
+            state.num_prompt_tokens = state.num_cached_tokens
+        num_outputs_before = state.num_cached_tokens - state.num_prompt_tokens
+        if state.generator is not None:
+            for _ in range(num_outputs_before - state.num_draws):
+                torch.rand((), generator=state.generator)
+        state.num_draws = num_outputs_before + 1
+
     def warm_up(self) -> None:
         """Run one tiny prefill + decode so the first real step pays no one-off costs."""
         greedy = SamplingParams(temperature=0.0, top_logprobs=1)
         try:
-            first = self.step([SequenceInput(WARM_UP_SEQ_ID, [0, 1, 2], 0, True, greedy)])
+            # Any blocks will do: nothing the scheduler owns exists yet, and slots are
+            # always written before they are read.
+            table = list(range(min(self.kv_pool.num_blocks, -(-4 // self.block_size))))
+            if len(table) * self.block_size < 4:
+                return
+            first = self.step([SequenceInput(WARM_UP_SEQ_ID, [0, 1, 2], 0, True, greedy, table)])
             token = first.tokens[0].token_id
-            self.step([SequenceInput(WARM_UP_SEQ_ID, [token], 3, True, None)])
+            self.step([SequenceInput(WARM_UP_SEQ_ID, [token], 3, True, None, table)])
         finally:
             self.release(WARM_UP_SEQ_ID)

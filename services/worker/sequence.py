@@ -62,9 +62,13 @@ class SequenceInput:
 
     token_ids: the tokens to feed — the prompt (or a chunk of it) first, then the
     last sampled token. num_computed_tokens: how many of the sequence's tokens the
-    KV cache already holds (the position of token_ids[0]). sample: whether to
+    KV cache already holds (the position of token_ids[0]); on a first step it may
+    be > 0 when the scheduler hands over prefix-cached blocks. sample: whether to
     sample after these tokens. sampling: required on the sequence's first step,
-    ignored after (the worker keeps the first one until release).
+    ignored after (the worker keeps the first one until release). block_table:
+    the scheduler's block ids for the sequence, covering num_computed_tokens +
+    len(token_ids) tokens. num_prompt_tokens: on a first step, how many tokens
+    are prompt (0 = all); later tokens are outputs recomputed after preemption.
     """
 
     seq_id: int
@@ -72,6 +76,8 @@ class SequenceInput:
     num_computed_tokens: int
     sample: bool
     sampling: SamplingParams | None = None
+    block_table: list[int] = field(default_factory=list)
+    num_prompt_tokens: int = 0
 
 
 @dataclass(frozen=True)

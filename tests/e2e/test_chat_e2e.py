@@ -44,7 +44,8 @@ def test_non_stream_shape_and_statistics(openai_client):
     usage = reply.usage
     assert usage.prompt_tokens > 5 and usage.completion_tokens > 0
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
-    assert usage.prompt_tokens_details.cached_tokens == 0
+    # Earlier requests share the template's system prompt, so part of it may be cached.
+    assert 0 <= usage.prompt_tokens_details.cached_tokens < usage.prompt_tokens
     extra = reply.model_extra
     assert len(usage.model_extra["batch_size"]) == usage.completion_tokens
     assert len(usage.model_extra["queue_wait_time"]) == usage.completion_tokens
@@ -68,7 +69,7 @@ def test_stream_framing_byte_for_byte(base_url):
     last = chunks[-1]
     assert last["choices"][0]["finish_reason"] in ("stop", "length")
     usage = last["usage"]
-    assert usage["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert 0 <= usage["prompt_tokens_details"]["cached_tokens"] < usage["prompt_tokens"]
     assert len(usage["batch_size"]) == len(usage["queue_wait_time"]) == usage["completion_tokens"]
 
 

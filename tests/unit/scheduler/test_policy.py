@@ -13,9 +13,10 @@ from services.scheduler.sequence import (
 )
 
 EOS = 2
+BLOCK_SIZE = 4
 
 
-def make_policy(num_blocks=100, block_size=4, max_batch_size=8, max_prefill_tokens=1000):
+def make_policy(num_blocks=100, block_size=BLOCK_SIZE, max_batch_size=8, max_prefill_tokens=1000):
     capacity = WorkerCapacity(num_kv_blocks=num_blocks, block_size=block_size, max_batch_size=64,
                               eos_token_ids=frozenset({EOS}))
     return BatchPolicy(capacity, max_batch_size, max_prefill_tokens)
@@ -28,17 +29,47 @@ def make_seq(seq_id, prompt_len=5, max_tokens=4, arrival_us=1_000, **stopping):
 
 
 class FakeWorker:
-    """Samples a fixed token for every sequence and records what it was fed."""
+    """Stands in for the worker: keeps "KV" (the token at each slot) in a pool read and
+    written only through the block tables it is sent, and samples either a fixed token
+    or one derived from the whole context it reads back — so a wrong table, a wrong
+    num_computed_tokens or a write into a shared block changes the text or fails."""
 
-    def __init__(self, token=7):
+    def __init__(self, token=None, policy=None):
         self.token = token
+        self.policy = policy
+        self.slots: dict[int, int] = {}
+        self.computed: dict[int, int] = {}  # seq_id -> tokens the worker holds
         self.fed: list[list[tuple[int, list[int], int]]] = []
         self.released: list[int] = []
+        self.num_first_steps = 0
 
     def step(self, plan):
-        self.fed.append([(s.seq_id, s.tokens_to_feed(), s.num_computed_tokens) for s in plan.sequences])
+        self.fed.append([(e.seq.seq_id, e.token_ids, e.num_computed_tokens) for e in plan.scheduled])
         self.released.extend(plan.release_seq_ids)
-        return {s.seq_id: SampledToken(s.seq_id, self.token) for s in plan.sequences}
+        for seq_id in plan.release_seq_ids:
+            self.computed.pop(seq_id, None)
+        sampled = {}
+        for e in plan.scheduled:
+            seq, table = e.seq, e.seq.block_table
+            if seq.seq_id in self.computed:
+                assert e.num_computed_tokens == self.computed[seq.seq_id]
+                assert seq.is_sent_to_worker
+            else:
+                assert not seq.is_sent_to_worker, "sampling must come with a first step"
+                self.num_first_steps += 1
+            end = e.num_computed_tokens + e.num_new_tokens
+            assert len(table) * BLOCK_SIZE >= end
+            for position, token in enumerate(e.token_ids, start=e.num_computed_tokens):
+                block = table[position // BLOCK_SIZE]
+                if self.policy is not None:
+                    assert self.policy.blocks.blocks[block].ref_count == 1, "write into a shared block"
+                self.slots[block * BLOCK_SIZE + position % BLOCK_SIZE] = token
+            self.computed[seq.seq_id] = end
+            if e.is_sampling:
+                context = [self.slots[table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE] for p in range(end)]
+                token = self.token if self.token is not None else 10 + sum((i + 1) * t for i, t in enumerate(context)) % 37
+                sampled[seq.seq_id] = SampledToken(seq.seq_id, token)
+        return sampled
 
 
 def run_step(policy, worker, started=2_000, finished=3_000):
@@ -49,7 +80,7 @@ def run_step(policy, worker, started=2_000, finished=3_000):
 
 
 def test_prefill_then_decode_feeds_the_right_tokens():
-    policy, worker = make_policy(), FakeWorker()
+    policy, worker = make_policy(), FakeWorker(token=7)
     policy.add(make_seq(1, prompt_len=3, max_tokens=3))
     run_step(policy, worker)
     run_step(policy, worker)
@@ -58,7 +89,7 @@ def test_prefill_then_decode_feeds_the_right_tokens():
 
 
 def test_new_request_joins_running_batch_between_steps():
-    policy, worker = make_policy(), FakeWorker()
+    policy, worker = make_policy(), FakeWorker(token=7)
     policy.add(make_seq(1, max_tokens=10))
     run_step(policy, worker)
     policy.add(make_seq(2, max_tokens=10))
@@ -68,7 +99,7 @@ def test_new_request_joins_running_batch_between_steps():
 
 
 def test_finished_sequence_leaves_and_is_released():
-    policy, worker = make_policy(), FakeWorker()
+    policy, worker = make_policy(), FakeWorker(token=7)
     policy.add(make_seq(1, max_tokens=1))
     policy.add(make_seq(2, max_tokens=3))
     _, events = run_step(policy, worker)
@@ -111,17 +142,17 @@ def test_prefill_token_budget_admits_at_least_one():
     assert [s.seq_id for s in plan.sequences] == [1]
 
 
-def test_kv_capacity_is_reserved_and_returned():
-    # 10 blocks of 4 tokens; each sequence needs ceil((5 + 7) / 4) = 3 blocks.
-    policy, worker = make_policy(num_blocks=10, block_size=4), FakeWorker()
+def test_blocks_are_taken_on_demand_and_all_return():
+    # 10 blocks of 4: four prompts of 5 tokens take 2 blocks each up front, then grow.
+    policy, worker = make_policy(num_blocks=10), FakeWorker(token=7)
     for i in range(1, 5):
         policy.add(make_seq(i, prompt_len=5, max_tokens=7))
     plan, _ = run_step(policy, worker)
-    assert len(plan.sequences) == 3 and policy.num_free_blocks == 1
+    assert len(plan.sequences) == 4 and policy.num_free_blocks == 2
     while policy.has_work():
         run_step(policy, worker)
     assert policy.num_free_blocks == 10
-    assert sorted(worker.released) == [1, 2, 3, 4]
+    assert set(worker.released) == {1, 2, 3, 4}
 
 
 def test_request_that_can_never_fit_is_rejected_up_front():
@@ -131,10 +162,10 @@ def test_request_that_can_never_fit_is_rejected_up_front():
 
 
 def test_abort_waiting_and_running_frees_everything():
-    policy, worker = make_policy(num_blocks=6, block_size=4), FakeWorker()
-    policy.add(make_seq(1, max_tokens=7))
-    policy.add(make_seq(2, max_tokens=7))  # 3 + 3 blocks: both run
-    policy.add(make_seq(3, max_tokens=7))  # does not fit yet
+    policy, worker = make_policy(num_blocks=4, block_size=4), FakeWorker(token=7)
+    policy.add(make_seq(1, max_tokens=3))
+    policy.add(make_seq(2, max_tokens=3))  # 2 + 2 blocks: both run
+    policy.add(make_seq(3, max_tokens=3))  # no block left for it yet
     run_step(policy, worker)
     waiting, running = policy.waiting[0], policy.running[0]
     policy.finish(waiting, FinishReason.ABORT)
@@ -142,23 +173,24 @@ def test_abort_waiting_and_running_frees_everything():
     assert waiting.status is SequenceStatus.FINISHED and not policy.waiting
     while policy.has_work():
         run_step(policy, worker)
-    assert policy.num_free_blocks == 6
+    assert policy.num_free_blocks == 4
     assert sorted(worker.released) == [1, 2]
 
 
 def test_abort_during_step_is_skipped_and_released():
-    policy, worker = make_policy(), FakeWorker()
+    policy, worker = make_policy(), FakeWorker(token=7)
     policy.add(make_seq(1, max_tokens=5))
     plan = policy.schedule()
+    sampled = worker.step(plan)
     policy.finish(plan.sequences[0], FinishReason.ABORT)  # the client left mid-step
-    events = policy.postprocess(plan, worker.step(plan), 0, 1)
+    events = policy.postprocess(plan, sampled, 0, 1)
     assert events == []
     plan = policy.schedule()
     assert plan.sequences == [] and plan.release_seq_ids == [1]
 
 
 def test_per_token_statistics():
-    policy, worker = make_policy(), FakeWorker()
+    policy, worker = make_policy(), FakeWorker(token=7)
     policy.add(make_seq(1, arrival_us=1_000, max_tokens=5))
     policy.add(make_seq(2, arrival_us=1_500, max_tokens=5))
     _, events = run_step(policy, worker, started=2_000, finished=12_000)

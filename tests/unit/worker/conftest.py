@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 from services.common.model_files import default_model_path, resolve_model
 from services.worker.backend import select_backend
 from services.worker.model_runner import ModelRunner
+from tests.unit.worker.block_tables import BlockTables
 
 # Small blocks so short test sequences still cross several block boundaries.
 TEST_BLOCK_SIZE = 4
@@ -38,3 +39,8 @@ def reference_model(model_dir: Path):
     return AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=torch.float32, attn_implementation="sdpa"
     ).eval()
+
+
+@pytest.fixture(scope="session")
+def tables(runner: ModelRunner) -> BlockTables:
+    return BlockTables(runner)

@@ -8,6 +8,7 @@ import torch
 
 from services.worker.model_runner import ModelRunner
 from services.worker.sequence import SamplingParams, SequenceInput
+from tests.unit.worker.block_tables import BlockTables
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -39,14 +40,14 @@ def _reference_logits(reference_model, tokens: list[int]) -> torch.Tensor:
         return reference_model(torch.tensor([tokens])).logits[0]  # [len, vocab]
 
 
-def test_packed_batch_matches_hf_forward(runner: ModelRunner, reference_model):
+def test_packed_batch_matches_hf_forward(runner: ModelRunner, tables: BlockTables, reference_model):
     sequences = {seq_id: _tokens(seq_id, n) for seq_id, n in LENGTHS.items()}
     expected = {seq_id: _reference_logits(reference_model, toks) for seq_id, toks in sequences.items()}
-    free_at_start = runner.num_free_blocks
+    free_at_start = tables.num_free_blocks
     num_checked = 0
     for step in SCHEDULE:
         inputs = [
-            SequenceInput(seq_id, sequences[seq_id][start:end], start, sample, GREEDY if start == 0 else None)
+            tables.feed(seq_id, sequences[seq_id][start:end], start, sample, GREEDY if start == 0 else None)
             for seq_id, start, end, sample in step
         ]
         logits = runner.forward(inputs)
@@ -60,26 +61,29 @@ def test_packed_batch_matches_hf_forward(runner: ModelRunner, reference_model):
     assert num_checked == 19
     for seq_id in LENGTHS:
         runner.release(seq_id)
-    assert runner.num_free_blocks == free_at_start
+        tables.release(seq_id)
+    assert tables.num_free_blocks == free_at_start and not set(LENGTHS) & set(runner.sequences)
 
 
-def test_greedy_generation_matches_hf_generate(runner: ModelRunner, reference_model):
+def test_greedy_generation_matches_hf_generate(runner: ModelRunner, tables: BlockTables, reference_model):
     """Feeding sampled tokens back step by step reproduces HF greedy decoding."""
     # 204 has a one-token prompt: its first step already takes the batched decode path.
     prompts = {201: _tokens(201, 12), 202: _tokens(202, 3), 203: _tokens(203, 29), 204: _tokens(204, 1)}
     num_new = 8
     generated = {seq_id: [] for seq_id in prompts}
-    result = runner.step([SequenceInput(s, p, 0, True, GREEDY) for s, p in prompts.items()])
+    result = runner.step([tables.feed(s, p, 0, True, GREEDY) for s, p in prompts.items()])
     for _ in range(num_new - 1):
         for token in result.tokens:
             generated[token.seq_id].append(token.token_id)
         result = runner.step([
-            SequenceInput(s, [generated[s][-1]], len(p) + len(generated[s]) - 1, True)
+            tables.feed(s, [generated[s][-1]], len(p) + len(generated[s]) - 1, True)
             for s, p in prompts.items()
         ])
     for token in result.tokens:
         generated[token.seq_id].append(token.token_id)
     runner.step([], release_seq_ids=list(prompts))
+    for seq_id in prompts:
+        tables.release(seq_id)
 
     for seq_id, prompt in prompts.items():
         with torch.inference_mode():
@@ -91,23 +95,73 @@ def test_greedy_generation_matches_hf_generate(runner: ModelRunner, reference_mo
         assert generated[seq_id][: len(want)] == want
 
 
-def test_released_blocks_are_reused_correctly(runner: ModelRunner, reference_model):
+def test_released_blocks_are_reused_correctly(runner: ModelRunner, tables: BlockTables, reference_model):
     """A sequence placed in blocks another sequence just freed sees none of its data."""
     first, second = _tokens(301, 30), _tokens(302, 30)
-    runner.step([SequenceInput(301, first, 0, False, GREEDY)])
+    runner.step([tables.feed(301, first, 0, False, GREEDY)])
     runner.release(301)
-    logits = runner.forward([SequenceInput(301, second[:20], 0, False, GREEDY)])
+    tables.release(301)
+    logits = runner.forward([tables.feed(301, second[:20], 0, False, GREEDY)])
     assert logits.shape[0] == 0
-    logits = runner.forward([SequenceInput(301, second[20:], 20, True)])
+    logits = runner.forward([tables.feed(301, second[20:], 20, True)])
     want = _reference_logits(reference_model, second)[-1]
     torch.testing.assert_close(logits[0], want, atol=5e-4, rtol=1e-5)
     runner.release(301)
+    tables.release(301)
+
+
+def test_new_sequence_starts_on_shared_prefix_blocks(runner: ModelRunner, tables: BlockTables, reference_model):
+    """Prefix caching: a new sequence given another's full blocks (num_computed_tokens > 0
+    on its first step) reads their KV and only computes its own tail."""
+    prompt = _tokens(311, 22)
+    runner.step([tables.feed(311, prompt[:16], 0, False, GREEDY)])  # 4 full blocks of 4
+    shared = tables.table(311, 16)
+    own = tables.table(312, 8)[:2]  # 2 private blocks for positions 16..23
+    logits = runner.forward([SequenceInput(312, prompt[16:], 16, True, GREEDY, shared + own)])
+    torch.testing.assert_close(logits[0], _reference_logits(reference_model, prompt)[-1], atol=5e-4, rtol=1e-5)
+    for seq_id in (311, 312):
+        runner.release(seq_id)
+        tables.release(seq_id)
+
+
+def test_recomputed_outputs_keep_penalties_and_seeded_draws(runner: ModelRunner, tables: BlockTables):
+    """A sequence released (preempted) and fed again from scratch with its earlier
+    outputs, num_prompt_tokens telling them apart, continues exactly as if never stopped."""
+    params = SamplingParams(temperature=0.8, seed=7, frequency_penalty=1.0, top_logprobs=0)
+    prompt = _tokens(321, 9)
+    result = runner.step([tables.feed(321, prompt, 0, True, params)])
+    generated = [result.tokens[0].token_id]
+    for _ in range(5):
+        result = runner.step([tables.feed(321, [generated[-1]], len(prompt) + len(generated) - 1, True)])
+        generated.append(result.tokens[0].token_id)
+    runner.release(321)
+    tables.release(321)
+    # Same sequence, preempted after 3 outputs and recomputed in two chunks.
+    replay = [generated[0]]
+    result = runner.step([tables.feed(322, prompt, 0, True, params)])
+    for _ in range(2):
+        result = runner.step([tables.feed(322, [replay[-1]], len(prompt) + len(replay) - 1, True)])
+        replay.append(result.tokens[0].token_id)
+    runner.release(322)
+    tables.release(322)
+    history = prompt + replay
+    runner.step([tables.feed(322, history[:5], 0, False, params, num_prompt_tokens=len(prompt))])
+    result = runner.step([tables.feed(322, history[5:], 5, True)])
+    replay.append(result.tokens[0].token_id)
+    for _ in range(2):
+        result = runner.step([tables.feed(322, [replay[-1]], len(prompt) + len(replay) - 1, True)])
+        replay.append(result.tokens[0].token_id)
+    assert replay == generated
+    assert runner.sequences[322].output_token_ids == generated
+    runner.release(322)
+    tables.release(322)
 
 
 @pytest.mark.parametrize(
     "bad, message",
     [
-        (SequenceInput(401, [1, 2], 5, True, GREEDY), "new to this worker"),
+        (SequenceInput(401, [1, 2], 5, True, GREEDY, [0]), "cannot hold"),
+        (SequenceInput(401, [1, 2], 0, True, GREEDY, [10**6]), "block id outside"),
         (SequenceInput(401, [1, 2], 0, True, None), "sampling is required"),
         (SequenceInput(401, [], 0, True, GREEDY), "token_ids is empty"),
         (SequenceInput(401, [49152], 0, True, GREEDY), "token id outside"),
@@ -117,34 +171,33 @@ def test_released_blocks_are_reused_correctly(runner: ModelRunner, reference_mod
 def test_bad_steps_are_rejected_and_change_nothing(runner: ModelRunner, bad, message):
     from services.common.errors import ServiceError
 
-    free = runner.num_free_blocks
     with pytest.raises(ServiceError, match=message) as info:
-        runner.step([SequenceInput(402, [5, 6, 7], 0, True, GREEDY), bad])
+        runner.step([SequenceInput(402, [5, 6, 7], 0, True, GREEDY, [0]), bad])
     assert info.value.code.name == "INVALID_ARGUMENT"
-    assert runner.num_free_blocks == free
     assert 402 not in runner.sequences
 
 
 def test_wrong_num_computed_tokens_is_rejected(runner: ModelRunner):
     from services.common.errors import ServiceError
 
-    runner.step([SequenceInput(501, [5, 6, 7], 0, True, GREEDY)])
+    runner.step([SequenceInput(501, [5, 6, 7], 0, True, GREEDY, [0])])
     with pytest.raises(ServiceError, match="holds 3 tokens"):
-        runner.step([SequenceInput(501, [8], 4, True)])
+        runner.step([SequenceInput(501, [8], 4, True, None, [0, 1])])
     runner.release(501)
 
 
-def test_penalty_history_separates_prompt_and_generated_tokens(runner: ModelRunner):
+def test_penalty_history_separates_prompt_and_generated_tokens(runner: ModelRunner, tables: BlockTables):
     params = SamplingParams(temperature=0.0, frequency_penalty=1.5, presence_penalty=0.5)
     prompt = _tokens(901, 10)
-    runner.step([SequenceInput(901, prompt[:6], 0, False, params)])
-    result = runner.step([SequenceInput(901, prompt[6:], 6, True)])
+    runner.step([tables.feed(901, prompt[:6], 0, False, params)])
+    result = runner.step([tables.feed(901, prompt[6:], 6, True)])
     generated = [result.tokens[0].token_id]
     for _ in range(5):
-        result = runner.step([SequenceInput(901, [generated[-1]], len(prompt) + len(generated) - 1, True)])
+        result = runner.step([tables.feed(901, [generated[-1]], len(prompt) + len(generated) - 1, True)])
         generated.append(result.tokens[0].token_id)
     state = runner.sequences[901]
     assert state.prompt_token_ids == prompt
     assert state.output_token_ids == generated
     runner.release(901)
+    tables.release(901)
     assert 901 not in runner.sequences

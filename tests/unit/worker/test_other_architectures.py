@@ -11,7 +11,8 @@ from transformers import AutoModelForCausalLM, GPT2Config, Qwen2Config
 
 from services.worker.backend import select_backend
 from services.worker.model_runner import ModelRunner
-from services.worker.sequence import SamplingParams, SequenceInput
+from services.worker.sequence import SamplingParams
+from tests.unit.worker.block_tables import BlockTables
 
 VOCAB = 256
 CONFIGS = {
@@ -39,11 +40,12 @@ def test_tiny_model_paged_matches_hf(name: str, tmp_path: Path):
     with torch.inference_mode():
         expected = {s: reference(torch.tensor([t])).logits[0] for s, t in tokens.items()}
     greedy = SamplingParams(temperature=0.0)
+    tables = BlockTables(runner)
     # seq 1: prefill 10, then 9 more on top of the cache (crosses the window), then decodes.
     schedule = [[(1, 0, 10), (2, 0, 12)], [(1, 10, 19), (2, 12, 13)], [(2, 13, 14), (1, 19, 20)],
                 [(1, 20, 21), (2, 14, 15)], [(1, 21, 23)]]
     for step in schedule:
-        logits = runner.forward([SequenceInput(s, tokens[s][a:b], a, True, greedy if a == 0 else None)
+        logits = runner.forward([tables.feed(s, tokens[s][a:b], a, True, greedy if a == 0 else None)
                                  for s, a, b in step])
         for row, (s, _, b) in enumerate(step):
             torch.testing.assert_close(logits[row], expected[s][b - 1], atol=1e-4, rtol=1e-4)

@@ -36,18 +36,20 @@ def test_describe_and_steps_over_grpc(runner: ModelRunner):
         info = await stub.Describe(worker_pb2.DescribeRequest())
         first = await stub.Step(worker_pb2.StepRequest(step_id=1, sequences=[
             worker_pb2.SequenceStep(
-                seq_id=701, token_ids=[10, 11, 12], sample=True, sampling=_sampling(top_logprobs=3)
+                seq_id=701, token_ids=[10, 11, 12], sample=True, sampling=_sampling(top_logprobs=3),
+                block_table=[0],
             ),
-            worker_pb2.SequenceStep(seq_id=702, token_ids=[20, 21], sample=False, sampling=_sampling()),
+            worker_pb2.SequenceStep(seq_id=702, token_ids=[20, 21], sample=False, sampling=_sampling(),
+                                    block_table=[1]),
         ]))
         token = first.tokens[0].token_id
         second = await stub.Step(worker_pb2.StepRequest(step_id=2, release_seq_ids=[702], sequences=[
-            worker_pb2.SequenceStep(seq_id=701, token_ids=[token], num_computed_tokens=3, sample=True),
+            worker_pb2.SequenceStep(seq_id=701, token_ids=[token], num_computed_tokens=3, sample=True,
+                                    block_table=[0]),
         ]))
         await stub.Step(worker_pb2.StepRequest(step_id=3, release_seq_ids=[701]))
         return info, first, second
 
-    free = runner.num_free_blocks
     info, first, second = asyncio.run(_with_server(WorkerServicer(runner), calls))
     assert info.vocab_size == 49152 and list(info.eos_token_ids) == [2]
     assert info.num_kv_blocks == runner.kv_pool.num_blocks and info.block_size == 4
@@ -57,13 +59,15 @@ def test_describe_and_steps_over_grpc(runner: ModelRunner):
     assert first.step_id == 1 and first.execute_time_us > 0
     assert second.tokens[0].seq_id == 701
     assert second.tokens[0].HasField("logprob")  # sampling params kept from the first step
-    assert runner.num_free_blocks == free
+    assert not {701, 702} & set(runner.sequences)
 
 
 @pytest.mark.parametrize(
     "sequence, code",
     [
         (worker_pb2.SequenceStep(seq_id=801, token_ids=[1], sample=True), grpc.StatusCode.INVALID_ARGUMENT),
+        (worker_pb2.SequenceStep(seq_id=801, token_ids=[1], sample=True, sampling=_sampling()),
+         grpc.StatusCode.INVALID_ARGUMENT),  # no block table
         (worker_pb2.SequenceStep(seq_id=801, token_ids=[1], sample=True, sampling=_sampling(top_p=0.0)),
          grpc.StatusCode.INVALID_ARGUMENT),
         (worker_pb2.SequenceStep(seq_id=801, token_ids=[1] * 100_000, sample=True, sampling=_sampling()),

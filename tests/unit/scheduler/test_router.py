@@ -1,0 +1,42 @@
+"""Placement across workers: most reusable prefix first, then the lowest load."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from services.common.errors import ServiceError
+from services.scheduler.router import Router
+from tests.unit.scheduler.test_policy import make_seq
+
+
+@dataclass
+class FakeEngine:
+    load: int = 0
+    cached: int = 0
+    is_ready: bool = True
+
+    def num_cached_prefix_tokens(self, seq) -> int:
+        return self.cached
+
+
+def test_lowest_load_without_any_prefix_hit():
+    engines = [FakeEngine(load=3), FakeEngine(load=1), FakeEngine(load=2)]
+    assert Router(engines).place(make_seq(1)) is engines[1]
+
+
+def test_most_reusable_prefix_wins_over_a_slightly_lower_load():
+    engines = [FakeEngine(load=0, cached=16), FakeEngine(load=2, cached=64), FakeEngine(load=1, cached=64)]
+    assert Router(engines, max_imbalance=4).place(make_seq(1)) is engines[2]
+
+
+def test_a_prefix_hit_does_not_pile_everything_on_one_worker():
+    engines = [FakeEngine(load=9, cached=64), FakeEngine(load=0)]
+    assert Router(engines, max_imbalance=4).place(make_seq(1)) is engines[1]
+
+
+def test_only_ready_workers_and_unavailable_when_none():
+    engines = [FakeEngine(is_ready=False), FakeEngine(load=5)]
+    assert Router(engines).place(make_seq(1)) is engines[1]
+    with pytest.raises(ServiceError):
+        Router([FakeEngine(is_ready=False)]).place(make_seq(1))

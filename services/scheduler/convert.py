@@ -45,6 +45,7 @@ def to_sequence(request: scheduler_pb2.GenerateRequest, seq_id: int, config: Sch
         presence_penalty=s.presence_penalty if s.HasField("presence_penalty") else 0.0,
         frequency_penalty=s.frequency_penalty if s.HasField("frequency_penalty") else 0.0,
         top_logprobs=s.top_logprobs if s.HasField("top_logprobs") else -1,
+        grammar=(s.grammar.kind, s.grammar.source) if s.grammar.kind else None,
     )
     if sampling.temperature < 0:
         raise invalid_argument("temperature must be >= 0")

@@ -101,7 +101,7 @@ class BatchPolicy:
 
     def num_cached_prefix_tokens(self, seq: Sequence) -> int:
         """Prompt tokens `seq` would reuse here (for placement across workers)."""
-        if seq.sampling.has_penalties:
+        if seq.sampling.needs_full_history:
             return 0
         return self.blocks.num_cached_tokens(seq.prompt_token_ids)
 
@@ -241,7 +241,7 @@ class BatchPolicy:
 
     def _admit(self, seq: Sequence, budget: int, batch: list[ScheduledSequence]) -> bool:
         # Penalties need the whole history on the worker, so those sequences skip the cache.
-        cached = self.blocks.allocate_prefix(seq, use_cache=not seq.sampling.has_penalties)
+        cached = self.blocks.allocate_prefix(seq, use_cache=not seq.sampling.needs_full_history)
         seq.num_computed_tokens = cached
         chunk = self._grow_chunk(seq, budget)
         if chunk == 0:

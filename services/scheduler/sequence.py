@@ -29,10 +29,18 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     top_logprobs: int = -1  # -1: no log-probabilities
+    # Constrained decoding: (kind, source) as in scheduler.proto's Grammar; None = free.
+    grammar: tuple[int, str] | None = None
 
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def needs_full_history(self) -> bool:
+        """The worker must see every token it conditions on (penalty counts, grammar
+        state), so such a sequence cannot start from prefix-cached blocks."""
+        return self.has_penalties or self.grammar is not None
 
 
 @dataclass(frozen=True)

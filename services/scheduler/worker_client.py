@@ -80,4 +80,7 @@ def _sequence_step(entry: ScheduledSequence) -> worker_pb2.SequenceStep:
                 top_logprobs=s.top_logprobs,
             )
         )
+        if s.grammar is not None:
+            kind, source = s.grammar  # GrammarKind numbers are the same in both packages
+            step.sampling.grammar.CopyFrom(worker_pb2.Grammar(kind=kind, source=source))
     return step

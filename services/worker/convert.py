@@ -2,13 +2,22 @@
 touches worker_pb2."""
 from __future__ import annotations
 
+from services.worker.guided import GrammarSpec
 from services.worker.model_runner import ModelDescription
 from services.worker.sequence import SamplingParams, SequenceInput, StepResult
 from stormserve.worker.v1 import worker_pb2
 
 
+_GRAMMAR_KINDS = {
+    worker_pb2.GRAMMAR_KIND_JSON_OBJECT: "json_object",
+    worker_pb2.GRAMMAR_KIND_JSON_SCHEMA: "json_schema",
+    worker_pb2.GRAMMAR_KIND_LARK: "lark",
+}
+
+
 def sampling_from_proto(message: worker_pb2.SamplingParams) -> SamplingParams:
     # The scheduler resolves every default, so each field is taken as sent.
+    grammar = message.grammar
     return SamplingParams(
         temperature=message.temperature,
         top_k=message.top_k,
@@ -18,6 +27,7 @@ def sampling_from_proto(message: worker_pb2.SamplingParams) -> SamplingParams:
         presence_penalty=message.presence_penalty,
         frequency_penalty=message.frequency_penalty,
         top_logprobs=message.top_logprobs,
+        grammar=GrammarSpec(_GRAMMAR_KINDS[grammar.kind], grammar.source) if grammar.kind else None,
     )
 
 

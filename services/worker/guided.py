@@ -76,5 +76,7 @@ class GuidedDecoding:
     @staticmethod
     def advance(matcher: llguidance.LLMatcher, token_id: int) -> None:
         """Feed the sampled token; a rejected token means a masking bug, not bad input."""
+        if matcher.is_stopped():  # complete: only EOS was allowed, nothing left to track
+            return
         if not matcher.consume_token(token_id):
             raise RuntimeError(f"grammar rejected sampled token {token_id}: {matcher.get_error()}")

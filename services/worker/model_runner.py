@@ -19,12 +19,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from services.common.errors import invalid_argument
 from services.worker import attention, sampler
 from services.worker.backend import Backend, torch_dtype
+from services.worker.guided import GrammarError, GuidedDecoding
 from services.worker.kv_cache import KVCachePool, KVCacheSpec
 from services.worker.penalties import apply_penalties
 from services.worker.sequence import SampledToken, SamplingParams, SequenceInput, StepResult
@@ -75,6 +76,9 @@ class SequenceState:
     # Token history, kept only for sequences with penalties.
     prompt_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
+    # Constrained decoding: the grammar state and how many outputs it has consumed.
+    matcher: object | None = None
+    num_grammar_tokens: int = 0
 
 
 def _token_ids(value) -> list[int]:
@@ -112,6 +116,7 @@ class ModelRunner:
             self.kv_pool = KVCachePool.from_budget(spec, kv_cache_bytes, backend.device)
         self.block_size = block_size
         self.sequences: dict[int, SequenceState] = {}
+        self._guided: GuidedDecoding | None = None  # built on the first grammar request
         log.info(
             "loaded %s (%s, %s) in %.2f s",
             model_dir.name, type(self.model).__name__, dtype, time.monotonic() - started,
@@ -175,6 +180,8 @@ class ModelRunner:
             state = self.sequences[s.seq_id]
             if state.sampling.has_penalties:
                 self._record_fed_tokens(state, s)
+            if state.matcher is not None:
+                self._replay_grammar(state, s)
             state.num_cached_tokens = s.num_computed_tokens + len(s.token_ids)
         return logits
 
@@ -231,7 +238,31 @@ class ModelRunner:
             # Seeded once: the sequence's draws depend on its seed alone, not on the batch.
             generator = torch.Generator()  # CPU: the sampler draws one scalar per token
             generator.manual_seed(sampling.seed)
-        return SequenceState(sampling=sampling, generator=generator, num_prompt_tokens=s.num_prompt_tokens or None)
+        state = SequenceState(sampling=sampling, generator=generator, num_prompt_tokens=s.num_prompt_tokens or None)
+        if sampling.grammar is not None:
+            try:
+                state.matcher = self.guided.compile(sampling.grammar)
+            except GrammarError as exc:
+                raise invalid_argument(f"seq {s.seq_id}: {exc}") from exc
+        return state
+
+    @property
+    def guided(self) -> GuidedDecoding:
+        if self._guided is None:
+            tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+            self._guided = GuidedDecoding(tokenizer, self.vocab_size, self.describe().eos_token_ids)
+        return self._guided
+
+    def _replay_grammar(self, state: SequenceState, s: SequenceInput) -> None:
+        # Outputs fed back after a preemption re-enter the grammar; the last sample
+        # coming back as the next input was consumed when it was sampled.
+        num_prompt = state.num_prompt_tokens or s.num_prompt_tokens
+        if not num_prompt:
+            return
+        for position, token in enumerate(s.token_ids, start=s.num_computed_tokens):
+            if position - num_prompt == state.num_grammar_tokens:
+                self.guided.advance(state.matcher, token)
+                state.num_grammar_tokens += 1
 
     def _run_model(self, inputs: list[SequenceInput]) -> torch.Tensor:
         device = self.backend.device
@@ -284,11 +315,17 @@ class ModelRunner:
                 [st.prompt_token_ids for st in states],
                 [st.output_token_ids for st in states],
             )
+        matchers = [st.matcher for st in states]
+        if any(m is not None for m in matchers):
+            self.guided.mask_logits(logits, matchers)
         out = sampler.sample(logits, params, [st.generator for st in states])
         tokens = []
         for i, (s, state) in enumerate(zip(inputs, states)):
             if state.sampling.has_penalties:
                 state.output_token_ids.append(out.token_ids[i])
+            if state.matcher is not None:
+                self.guided.advance(state.matcher, out.token_ids[i])
+                state.num_grammar_tokens += 1
             tokens.append(SampledToken(s.seq_id, out.token_ids[i], out.logprobs[i], out.top_logprobs[i]))
         return tokens
 

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from services.common.errors import invalid_argument
+from services.worker.guided import GrammarSpec
 
 # OpenAI caps top_logprobs at 20; more costs a wide top-k per step for nothing.
 MAX_TOP_LOGPROBS = 20
@@ -23,6 +24,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # 0 = off
     frequency_penalty: float = 0.0  # 0 = off
     top_logprobs: int = -1  # -1 = no logprobs; 0 = the chosen token's only; n = plus n alternatives
+    grammar: GrammarSpec | None = None  # constrained decoding; None = free
 
     @property
     def is_greedy(self) -> bool:

@@ -85,3 +85,39 @@ def test_bad_schema_is_a_clear_error(guided):
         guided.compile(GrammarSpec("json_schema", "{not json"))
     with pytest.raises(GrammarError):
         guided.compile(GrammarSpec("json_schema", json.dumps({"type": "no-such-type"})))
+
+
+def test_runner_follows_the_schema_with_the_real_model(runner, tables, tokenizer):
+    """A greedy sequence under a schema yields valid JSON and then EOS, beside a free one."""
+    from services.worker.sequence import SamplingParams
+
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Give the weather in Paris as JSON."}], add_generation_prompt=True,
+        tokenize=True, return_dict=True)["input_ids"]
+    constrained = SamplingParams(temperature=0.0, grammar=GrammarSpec("json_schema", json.dumps(SCHEMA)))
+    free = SamplingParams(temperature=0.0)
+    inputs = [tables.feed(101, prompt, 0, True, constrained, len(prompt)),
+              tables.feed(102, prompt, 0, True, free, len(prompt))]
+    outputs: dict[int, list[int]] = {101: [], 102: []}
+    try:
+        for _ in range(80):
+            result = runner.step(inputs)
+            inputs = []
+            for token in result.tokens:
+                outputs[token.seq_id].append(token.token_id)
+                n = len(prompt) + len(outputs[token.seq_id])
+                if token.seq_id == 101 and token.token_id == EOS:
+                    continue
+                if token.seq_id == 102 and len(outputs[102]) >= 10:
+                    continue
+                inputs.append(tables.feed(token.seq_id, [token.token_id], n - 1, True))
+            if not inputs:
+                break
+    finally:
+        runner.step([], [101, 102])
+        tables.release(101)
+        tables.release(102)
+    assert outputs[101][-1] == EOS
+    value = json.loads(tokenizer.decode(outputs[101][:-1]))
+    assert set(value) == {"city", "days", "unit"} and value["unit"] in ("celsius", "fahrenheit")
+    assert not tokenizer.decode(outputs[102]).lstrip().startswith("{")  # the free neighbour stays free

@@ -4,6 +4,9 @@
     GET  /v1/models             ListModels, cached briefly
     GET  /v1/models/{model}     one model, or 404
     GET  /health                200 (empty body) when ChatService is SERVING, else 503
+
+With API keys configured every route but /health needs `Authorization: Bearer`
+(auth.py); load balancers probe /health without credentials.
 """
 from __future__ import annotations
 
@@ -11,10 +14,11 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from stormserve.chat.v1 import chat_pb2
 
+from services.http_edge.auth import ApiKeyCheck, load_api_keys
 from services.http_edge.backend import ChatBackend
 from services.http_edge.config import EdgeConfig
 from services.http_edge.errors import EdgeError, install_error_handlers, unavailable
@@ -52,17 +56,19 @@ def create_app(config: EdgeConfig, backend: ChatBackend | None = None) -> FastAP
     app.state.backend = backend
     install_error_handlers(app)
     chat_completions = ChatCompletions(config, backend)
+    # Runs before the body is read: an unauthenticated client cannot make us buffer 40 MiB.
+    keyed = [Depends(ApiKeyCheck(load_api_keys(config)))]
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=keyed)
     async def create_chat_completion(request: Request) -> Response:
         return await chat_completions(request)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=keyed)
     async def list_models() -> JSONResponse:
         models = await backend.served_models()
         return JSONResponse({"object": "list", "data": [model_json(m) for m in models]})
 
-    @app.get("/v1/models/{model_id}")
+    @app.get("/v1/models/{model_id}", dependencies=keyed)
     async def get_model(model_id: str) -> JSONResponse:
         for model in await backend.served_models():
             if model.id == model_id:

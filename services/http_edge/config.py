@@ -2,7 +2,7 @@
 variables, with the MindIE names (`maxRequestLength`, `e2eTimeout`) as aliases."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.common.config import require, setting
 
@@ -33,6 +33,14 @@ class EdgeConfig:
     shutdown_grace_s: float = setting(
         5.0, "seconds open requests may finish after SIGTERM before they are cut, >= 0"
     )
+    # Not `setting(...)`: that helper cannot hide a field from repr, and keys must
+    # never reach a log line or a traceback. Same help/alias metadata otherwise.
+    api_keys: tuple[str, ...] = field(default=(), repr=False, metadata={
+        "help": "comma list of accepted `Authorization: Bearer` keys; none (and no "
+                "api_key_file) means no check", "alias": None})
+    api_key_file: str = setting(
+        "", "file of accepted API keys, one per line (# comments); adds to api_keys"
+    )
 
     def __post_init__(self) -> None:
         require(bool(self.host), "host must not be empty")
@@ -54,6 +62,10 @@ class EdgeConfig:
         require(self.models_cache_s >= 0, f"models_cache_s must be >= 0, got {self.models_cache_s}")
         require(
             self.shutdown_grace_s >= 0, f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}"
+        )
+        require(
+            all(k and not any(c.isspace() for c in k) for k in self.api_keys),
+            "api_keys must be non-empty and hold no whitespace",
         )
 
     @property

@@ -96,8 +96,9 @@ def to_chat_request(
         message.chat_template_kwargs.CopyFrom(to_struct(request.chat_template_kwargs))
     if request.response_format is not None:
         message.response_format.CopyFrom(_response_format(request.response_format))
-    if request.stream_options is not None:
-        message.stream_options.include_usage = bool(request.stream_options.include_usage)
+    if request.include_usage is not None:
+        # Present only when the client chose: absent keeps usage on the final chunk (the pages).
+        message.stream_options.include_usage = request.include_usage
     return message
 
 

@@ -14,7 +14,10 @@ otherwise (422 validation, 413 body size, 503 unavailable, 404 route).
 | body above maxRequestLength               | 413  | Payload Too Large      | 413  |
 | gRPC OUT_OF_RANGE (prompt too long)       | 424  | Generation Error       | 9999 |
 | gRPC UNAVAILABLE, RESOURCE_EXHAUSTED      | 503  | Service Unavailable    | 503  |
+| e2eTimeout passed (request_timeout_s)     | 500  | Incomplete Generation  | 802  |
 | gRPC DEADLINE_EXCEEDED                    | 500  | Incomplete Generation  | 802  |
+| no `Authorization: Bearer` (keys set)     | 401  | Unauthorized           | 702  |
+| bearer token matches no key               | 401  | Unauthorized           | 801  |
 | gRPC UNAUTHENTICATED / PERMISSION_DENIED  | 401  | Unauthorized           | 801 / 702 |
 | any other gRPC status or edge failure     | 500  | Incomplete Generation  | 9999 |
 """
@@ -48,12 +51,14 @@ PARSE_FAILED = "Failed to parse request context to json"
 class EdgeError(Exception):
     """A failure answered with `status` and the merged error body."""
 
-    def __init__(self, status: int, error_type: str, message: str, code: int | None = None):
+    def __init__(self, status: int, error_type: str, message: str, code: int | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status = status
         self.error_type = error_type
         self.message = message
         self.code = status if code is None else code
+        self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
         return {
@@ -65,7 +70,7 @@ class EdgeError(Exception):
         }
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def invalid_input(message: str) -> EdgeError:
@@ -79,6 +84,12 @@ def body_too_large(limit_mib: int) -> EdgeError:
 
 def unavailable(message: str) -> EdgeError:
     return EdgeError(503, UNAVAILABLE, message)
+
+
+def request_timeout(timeout_s: float) -> EdgeError:
+    """The request ran past `request_timeout_s` (MindIE's e2eTimeout)."""
+    message = f"Request timeout: no complete reply within e2eTimeout ({timeout_s:g} s)"
+    return EdgeError(500, INCOMPLETE, message, CODE_TIMEOUT)
 
 
 _GRPC_TO_HTTP: dict[grpc.StatusCode, tuple[int, str, int | None]] = {

@@ -303,6 +303,11 @@ class ChatCompletionRequest(StrictModel):
             raise request_rule("n or best_of > 1 needs a temperature > 0")
 
     @property
+    def include_usage(self) -> bool | None:
+        """`stream_options.include_usage`; None when not given (`{}` included)."""
+        return None if self.stream_options is None else self.stream_options.include_usage
+
+    @property
     def wants_logprobs(self) -> bool:
         """logprobs true, or top_logprobs given alone (which implies it)."""
         return bool(self.logprobs) or (self.logprobs is None and self.top_logprobs is not None)

@@ -1,5 +1,6 @@
 """`ChatChunk` -> the documented JSON: one `chat.completion.chunk` per chunk
 when streaming, or the chunks of a request folded into one `chat.completion`.
+A usage-only chunk (stream_options.include_usage) renders as `"choices":[]`.
 
 Shapes follow api-docs 000/001 and reference §2: `delta.role` is always
 "assistant", `logprobs` appears only when the request asked for it, `usage`
@@ -34,6 +35,9 @@ class ReplyContext:
     model: str
     created: int  # arrival, Unix seconds
     include_logprobs: bool = False
+    # stream_options.include_usage true: chunks without usage say `"usage": null`
+    # (DeepSeek/OpenAI), the extra last chunk carries it.
+    null_usage: bool = False
 
 
 def finish_reason(value: int) -> str | None:
@@ -120,6 +124,8 @@ def chunk_json(chunk: chat_pb2.ChatChunk, ctx: ReplyContext) -> dict[str, Any]:
         out["full_text"] = chunk.full_text
     if chunk.HasField("usage"):
         out["usage"] = usage_json(chunk.usage)
+    elif ctx.null_usage:
+        out["usage"] = None
     choices = []
     for choice in chunk.choices:
         rendered: dict[str, Any] = {"index": choice.index, "delta": delta_json(choice.delta)}

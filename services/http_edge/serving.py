@@ -5,11 +5,17 @@ Check order follows the reference: body size -> JSON parse -> fields -> model.
 A gRPC error before the first chunk becomes an HTTP error (also when
 `stream` is true); after the stream started it becomes a final `data:` frame
 holding the error body and a `finish_reason`, then `data: [DONE]`.
+
+`request_timeout_s` (e2eTimeout) counts from arrival and becomes the deadline
+of the Chat call: when it passes, gRPC cancels the call, which cancels the
+tokenizer's handler and through it the scheduler's sequence. The client gets
+code 802 (HTTP 500, or a final frame once the stream has started).
 """
 from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -30,6 +36,7 @@ from services.http_edge.errors import (
     from_chat_error,
     from_rpc_error,
     invalid_input,
+    request_timeout,
 )
 from services.http_edge.protocol import ChatCompletionRequest
 from services.http_edge.render import CompletionBuilder, ReplyContext, chunk_json, finish_reason
@@ -44,6 +51,7 @@ from services.http_edge.streaming import (
 log = logging.getLogger(__name__)
 
 MAX_JSON_DEPTH = 32  # MindIE drops subtrees deeper than 10; we refuse absurd nesting instead
+DEADLINE_SLACK_S = 0.05
 CLIENT_CLOSED = 499  # nobody reads it; the status only shows up in access logs
 
 
@@ -124,6 +132,30 @@ def _output_only(chunk: chat_pb2.ChatChunk) -> chat_pb2.ChatChunk:
     return partial
 
 
+class Deadline:
+    """The request's e2e deadline on the monotonic clock; None = no limit."""
+
+    def __init__(self, timeout_s: float | None):
+        self.timeout_s = timeout_s
+        self.at = None if timeout_s is None else time.monotonic() + timeout_s
+
+    def remaining_s(self) -> float | None:
+        if self.at is None:
+            return None
+        remaining = self.at - time.monotonic()
+        if remaining <= 0:
+            raise request_timeout(self.timeout_s)
+        return remaining
+
+    def rpc_error(self, exc: grpc.aio.AioRpcError) -> EdgeError:
+        """Our own deadline passing reads as the documented timeout; any other status is mapped."""
+        # gRPC fixed its deadline a moment after `at`; the slack only absorbs clock rounding.
+        if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and self.at is not None \
+                and time.monotonic() >= self.at - DEADLINE_SLACK_S:
+            return request_timeout(self.timeout_s)
+        return from_rpc_error(exc)
+
+
 def error_frame(error: EdgeError, chunk: chat_pb2.ChatChunk | None = None) -> bytes:
     """The last SSE event of a stream that failed after it started."""
     reasons = [finish_reason(c.finish_reason) for c in chunk.choices] if chunk is not None else []
@@ -139,6 +171,7 @@ class ChatCompletions:
 
     async def __call__(self, request: Request) -> Response:
         arrival_us = now_us()
+        deadline = Deadline(self.config.request_timeout_s)
         try:
             body = await read_body(request, self.config.max_request_bytes, self.config.max_request_mib)
         except ClientDisconnect:
@@ -151,8 +184,9 @@ class ChatCompletions:
             model=chat.model,
             created=arrival_us // 1_000_000,
             include_logprobs=chat.wants_logprobs,
+            null_usage=chat.stream and chat.include_usage is True,
         )
-        call = self.backend.chat(grpc_request, self.config.request_timeout_s)
+        call = self.backend.chat(grpc_request, deadline.remaining_s())
         handed_off = False
         try:
             if chat.stream:
@@ -160,12 +194,12 @@ class ChatCompletions:
                 if first is not None and first.HasField("error"):
                     raise _chunk_error(first)
                 handed_off = True
-                return EventStreamResponse(self._events(call, first, ctx), on_close=call.cancel)
+                return EventStreamResponse(self._events(call, first, ctx, deadline), on_close=call.cancel)
             builder = CompletionBuilder(ctx)
             await unless_disconnected(request.receive, self._collect(call, builder))
             return JSONResponse(builder.result())
         except grpc.aio.AioRpcError as exc:
-            error = from_rpc_error(exc)
+            error = deadline.rpc_error(exc)
             if error.status >= 500:
                 log.warning("%s failed: %s %s", ctx.request_id, exc.code().name, exc.details())
             raise error from None
@@ -183,7 +217,8 @@ class ChatCompletions:
             builder.add(chunk)
 
     async def _events(
-        self, call: grpc.aio.UnaryStreamCall, chunk: chat_pb2.ChatChunk | None, ctx: ReplyContext
+        self, call: grpc.aio.UnaryStreamCall, chunk: chat_pb2.ChatChunk | None, ctx: ReplyContext,
+        deadline: Deadline,
     ) -> AsyncIterator[bytes]:
         try:
             while chunk is not None:
@@ -196,5 +231,5 @@ class ChatCompletions:
                 chunk = await next_chunk(call)
         except grpc.aio.AioRpcError as exc:
             log.warning("%s failed mid-stream: %s %s", ctx.request_id, exc.code().name, exc.details())
-            yield error_frame(from_rpc_error(exc))
+            yield error_frame(deadline.rpc_error(exc))
         yield DONE

@@ -19,6 +19,9 @@ class TokenizerConfig:
     model_name: str = setting(DEFAULT_MODEL_NAME, "name clients send in `model`", alias="modelName")
     max_seq_len: int = setting(2560, "prompt + output cap in tokens", alias="maxSeqLen")
     max_input_token_len: int = setting(2048, "longest accepted prompt in tokens", alias="maxInputTokenLen")
+    full_text_enabled: bool = setting(
+        False, "stream deltas carry the whole text so far, and the final chunk `full_text`",
+        alias="fullTextEnabled")
 
     def __post_init__(self) -> None:
         require(0 < len(self.model_name) <= 256, "modelName must have 1-256 characters")

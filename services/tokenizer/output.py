@@ -1,6 +1,17 @@
 """Turns one choice's stream of scheduler token messages into ChatChunks:
-incremental text, stop strings, log-probabilities and the final usage."""
+incremental text, stop strings, log-probabilities and the final usage.
+
+Two options change the stream's shape (not an aggregated non-stream reply):
+- `stream_options.include_usage` (OpenAI/DeepSeek) moves usage out of the final
+  choice chunk: true puts it in one extra chunk with no choices, false drops
+  it. Without `stream_options` usage stays on the final chunk, as the
+  product pages show.
+- `fullTextEnabled` (MindIE) makes each delta the whole text so far and adds
+  `full_text` to the final chunk.
+"""
 from __future__ import annotations
+
+import enum
 
 from stormserve.chat.v1 import chat_pb2
 from stormserve.scheduler.v1 import scheduler_pb2
@@ -16,9 +27,24 @@ _FINISH = {
 }
 
 
+class UsagePlacement(enum.Enum):
+    FINAL_CHUNK = "final_chunk"  # on the final choice chunk (the pages)
+    SEPARATE_CHUNK = "separate_chunk"  # only in a usage-only chunk after it (include_usage true)
+    NONE = "none"  # nowhere (include_usage false)
+
+
+def usage_placement(request: chat_pb2.ChatRequest) -> UsagePlacement:
+    """Where usage goes. A non-stream caller aggregates chunks and always needs it."""
+    if not request.stream or not request.HasField("stream_options"):
+        return UsagePlacement.FINAL_CHUNK
+    if request.stream_options.include_usage:
+        return UsagePlacement.SEPARATE_CHUNK
+    return UsagePlacement.NONE
+
+
 class ChoiceOutput:
     def __init__(self, tokenizer, request: chat_pb2.ChatRequest, chunk_id: str, created: int,
-                 prompt_tokens: int, index: int = 0):
+                 prompt_tokens: int, index: int = 0, full_text_enabled: bool = False):
         self._tokenizer = tokenizer
         self._chunk_id = chunk_id
         self._created = created
@@ -35,6 +61,11 @@ class ChoiceOutput:
         self._queue_waits: list[int] = []
         self._prefill_time: float | None = None
         self._decode_times: list[float] = []
+        self.usage_placement = usage_placement(request)
+        # Cumulative deltas only for a streaming caller: an aggregating one would repeat text.
+        self._is_full_text = full_text_enabled and request.stream
+        self._text_so_far = ""
+        self.usage: chat_pb2.Usage | None = None  # set once the choice finished
         self.is_finished = False
 
     @property
@@ -97,20 +128,32 @@ class ChoiceOutput:
             ],
         )
 
+    def usage_chunk(self) -> chat_pb2.ChatChunk | None:
+        """The usage-only chunk (no choices) that follows the final chunk when
+        the caller asked for `include_usage`; None otherwise."""
+        if self.usage is None or self.usage_placement != UsagePlacement.SEPARATE_CHUNK:
+            return None
+        return chat_pb2.ChatChunk(id=self._chunk_id, created=self._created, model=self._model,
+                                  usage=self.usage)
+
     def _chunk(self, text: str, finish: int) -> chat_pb2.ChatChunk:
+        self._text_so_far += text
         chunk = chat_pb2.ChatChunk(
             id=self._chunk_id,
             created=self._created,
             model=self._model,
             choices=[chat_pb2.ChunkChoice(
                 index=self._index,
-                delta=chat_pb2.ChatDelta(role="assistant", content=text),
+                delta=chat_pb2.ChatDelta(role="assistant",
+                                         content=self._text_so_far if self._is_full_text else text),
                 finish_reason=finish,
             )],
         )
         if finish != chat_pb2.FINISH_REASON_UNSPECIFIED:
             self.is_finished = True
-            chunk.usage.CopyFrom(chat_pb2.Usage(
+            if self._is_full_text:
+                chunk.full_text = self._text_so_far
+            self.usage = chat_pb2.Usage(
                 prompt_tokens=self.prompt_tokens,
                 completion_tokens=self.completion_tokens,
                 total_tokens=self.prompt_tokens + self.completion_tokens,
@@ -118,7 +161,9 @@ class ChoiceOutput:
                 completion_tokens_details=chat_pb2.CompletionTokensDetails(reasoning_tokens=0),
                 batch_size=self._batch_sizes,
                 queue_wait_time=self._queue_waits,
-            ))
+            )
+            if self.usage_placement == UsagePlacement.FINAL_CHUNK:
+                chunk.usage.CopyFrom(self.usage)
             if self._prefill_time is not None:
                 chunk.prefill_time = self._prefill_time
             chunk.decode_time_arr.extend(self._decode_times)

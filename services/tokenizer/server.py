@@ -104,7 +104,7 @@ class ChatServicer(chat_pb2_grpc.ChatServiceServicer):
             )
         request_id = request.request_id or f"chatcmpl-{uuid.uuid4().hex}"
         output = ChoiceOutput(self.core.tokenizer, request, request_id, arrival_us // 1_000_000,
-                              len(prompt.token_ids))
+                              len(prompt.token_ids), full_text_enabled=self.core.config.full_text_enabled)
         call = self.scheduler.Generate(_generate_request(request, request_id, prompt.token_ids, arrival_us))
         has_sent = False
         try:
@@ -114,6 +114,8 @@ class ChatServicer(chat_pb2_grpc.ChatServiceServicer):
                     has_sent = True
                     yield chat_pb2.ChatResponse(chunk=chunk)
                 if output.is_finished:
+                    if (usage := output.usage_chunk()) is not None:
+                        yield chat_pb2.ChatResponse(chunk=usage)
                     return
             raise ServiceError(grpc.StatusCode.INTERNAL, "the scheduler ended the stream without finishing")
         except grpc.aio.AioRpcError as exc:

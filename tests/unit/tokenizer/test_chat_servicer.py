@@ -1,0 +1,94 @@
+"""ChatServicer.Chat over a scripted scheduler: the extra usage-only chunk and
+fullTextEnabled from the config reach the gRPC stream."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from transformers import AutoTokenizer
+
+from services.common.model_files import default_model_path, resolve_model
+from services.tokenizer.config import TokenizerConfig
+from services.tokenizer.server import ChatServicer, TokenizerCore
+from stormserve.chat.v1 import chat_pb2
+from stormserve.scheduler.v1 import scheduler_pb2
+
+TEXT = "Paris is the capital."
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(resolve_model(default_model_path()))
+
+
+class ScriptedGenerate:
+    """Duck-types the scheduler's Generate call: async iteration and cancel()."""
+
+    def __init__(self, responses):
+        self.responses = responses
+        self.cancelled = False
+
+    def __aiter__(self):
+        return self._iterate()
+
+    async def _iterate(self):
+        for response in self.responses:
+            yield response
+
+    def cancel(self) -> bool:
+        self.cancelled = True
+        return True
+
+
+class ScriptedScheduler:
+    def __init__(self, responses):
+        self.responses = responses
+        self.calls: list[ScriptedGenerate] = []
+
+    def Generate(self, request):  # noqa: N802 (gRPC stub name)
+        self.calls.append(ScriptedGenerate(self.responses))
+        return self.calls[-1]
+
+
+def chat(tokenizer, request: chat_pb2.ChatRequest, **config) -> list[chat_pb2.ChatChunk]:
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    responses = [scheduler_pb2.GenerateResponse(tokens=[scheduler_pb2.GeneratedToken(token_id=i, batch_size=1)])
+                 for i in ids]
+    responses[-1].finish_reason = scheduler_pb2.FINISH_REASON_LENGTH
+    scheduler = ScriptedScheduler(responses)
+    core = TokenizerCore(TokenizerConfig(model_name="m", **config), tokenizer, "/models/m", 8192)
+
+    async def collect():
+        return [r.chunk async for r in ChatServicer(core, scheduler).Chat(request, None)]
+
+    chunks = asyncio.run(collect())
+    assert scheduler.calls[0].cancelled  # the scheduler call is always closed
+    return chunks
+
+
+def ask(**fields) -> chat_pb2.ChatRequest:
+    return chat_pb2.ChatRequest(model="m", messages=[chat_pb2.ChatMessage(role="user", content="hi")], **fields)
+
+
+def test_include_usage_adds_one_usage_only_chunk_at_the_end(tokenizer):
+    chunks = chat(tokenizer, ask(stream=True, stream_options={"include_usage": True}))
+    *text_chunks, last = chunks
+    assert not any(c.HasField("usage") for c in text_chunks)
+    assert text_chunks[-1].choices[0].finish_reason == chat_pb2.FINISH_REASON_LENGTH
+    assert len(last.choices) == 0 and last.usage.completion_tokens == len(text_chunks)
+    assert last.usage.prompt_tokens > 0 and list(last.usage.batch_size) == [1] * len(text_chunks)
+
+
+def test_without_stream_options_usage_is_on_the_final_choice_chunk(tokenizer):
+    chunks = chat(tokenizer, ask(stream=True))
+    assert all(len(c.choices) == 1 for c in chunks)
+    assert [c.HasField("usage") for c in chunks][-2:] == [False, True]
+
+
+def test_full_text_enabled_config_reaches_the_stream(tokenizer):
+    chunks = chat(tokenizer, ask(stream=True), full_text_enabled=True)
+    assert chunks[-1].full_text == TEXT == chunks[-1].choices[0].delta.content
+    assert chunks[0].choices[0].delta.content and TEXT.startswith(chunks[1].choices[0].delta.content)
+    plain = chat(tokenizer, ask(stream=True))
+    assert "".join(c.choices[0].delta.content for c in plain) == TEXT
+    assert not plain[-1].HasField("full_text")

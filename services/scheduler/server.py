@@ -2,7 +2,6 @@
 call aborts the sequence."""
 from __future__ import annotations
 
-import asyncio
 import logging
 
 import grpc
@@ -10,7 +9,7 @@ import grpc
 from services.common.errors import ServiceError
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.convert import to_response, to_sequence, to_worker_load
-from services.scheduler.engine import EngineLoop, SequenceFailed, now_us
+from services.scheduler.engine import SequenceFailed, now_us
 from services.scheduler.policy import CapacityError
 from services.scheduler.router import Router
 from stormserve.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc

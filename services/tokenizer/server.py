@@ -7,11 +7,12 @@ import uuid
 from functools import partial
 
 import grpc
-from google.protobuf import json_format
 
 from services.common.errors import ServiceError, invalid_argument
 from services.tokenizer.config import TokenizerConfig
+from services.tokenizer.grammar import response_format_grammar
 from services.tokenizer.output import ChoiceOutput
+from services.tokenizer.structs import struct_to_dict
 from services.tokenizer.template import render
 from stormserve.chat.v1 import chat_pb2, chat_pb2_grpc
 from stormserve.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
@@ -53,9 +54,6 @@ def _reject_unsupported(request: chat_pb2.ChatRequest) -> None:
         unsupported.append("best_of > 1")
     if request.use_beam_search:
         unsupported.append("use_beam_search")
-    if request.response_format.type in (chat_pb2.RESPONSE_FORMAT_TYPE_JSON_OBJECT,
-                                        chat_pb2.RESPONSE_FORMAT_TYPE_JSON_SCHEMA):
-        unsupported.append("response_format json_object/json_schema")
     if request.tool_choice.mode in (chat_pb2.TOOL_CHOICE_MODE_REQUIRED, chat_pb2.TOOL_CHOICE_MODE_FUNCTION):
         unsupported.append("tool_choice required or a named function")
     if unsupported:
@@ -71,6 +69,9 @@ def _generate_request(request: chat_pb2.ChatRequest, request_id: str, prompt: li
             setattr(sampling, name, getattr(request, name))
     if request.logprobs or request.HasField("top_logprobs"):
         sampling.top_logprobs = request.top_logprobs
+    grammar = response_format_grammar(request.response_format)
+    if grammar is not None:
+        sampling.grammar.CopyFrom(grammar)
     stopping = scheduler_pb2.StoppingCriteria(
         stop_token_ids=[t for t in request.stop_token_ids if 0 <= t < 2**31],
         ignore_eos=request.ignore_eos,
@@ -92,7 +93,7 @@ class ChatServicer(chat_pb2_grpc.ChatServiceServicer):
         arrival_us = request.arrival_time_us or time.time_ns() // 1000
         self.core.check_model(request.model)
         _reject_unsupported(request)
-        kwargs = json_format.MessageToDict(request.chat_template_kwargs)
+        kwargs = struct_to_dict(request.chat_template_kwargs)
         tools = [] if request.tool_choice.mode == chat_pb2.TOOL_CHOICE_MODE_NONE else request.tools
         prompt = await self.core.render(request.messages, tools, kwargs)
         limit = self.core.max_input_tokens
@@ -156,5 +157,5 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
         self.core.check_model(request.model)
         add = request.add_generation_prompt if request.HasField("add_generation_prompt") else True
         prompt = await self.core.render(request.messages, request.tools,
-                                        json_format.MessageToDict(request.chat_template_kwargs), add)
+                                        struct_to_dict(request.chat_template_kwargs), add)
         return tokenizer_pb2.ApplyChatTemplateResponse(prompt=prompt.text, token_ids=prompt.token_ids)

@@ -4,9 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from google.protobuf import json_format
 
 from services.common.errors import invalid_argument
+from services.tokenizer.structs import struct_to_dict
 from stormserve.chat.v1 import chat_pb2
 
 MEDIA_TYPES = ("image_url", "video_url", "audio_url")
@@ -48,7 +48,7 @@ def tool_to_dict(tool: chat_pb2.Tool) -> dict[str, Any]:
     if tool.function.description:
         function["description"] = tool.function.description
     if tool.function.HasField("parameters"):
-        function["parameters"] = json_format.MessageToDict(tool.function.parameters)
+        function["parameters"] = struct_to_dict(tool.function.parameters)
     return {"type": tool.type or "function", "function": function}
 
 

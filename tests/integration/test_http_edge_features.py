@@ -8,7 +8,6 @@ import json
 import logging
 from typing import Any
 
-import httpx
 import openai
 import pytest
 from stormserve.chat.v1 import chat_pb2

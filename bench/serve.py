@@ -147,6 +147,34 @@ def print_table(levels: list[dict]) -> None:
               f"{lv['e2e_s']['p50']:>8.2f}s{lv['e2e_s']['p90']:>8.2f}s")
 
 
+def plot(runs: dict[str, list[dict]], path: Path) -> None:
+    """Throughput and latency against concurrency, one line per server."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_tps, ax_ttft, ax_itl) = plt.subplots(1, 3, figsize=(15, 4.5))
+    for label, levels in runs.items():
+        closed = [lv for lv in levels if lv["concurrency"]]
+        xs = [lv["concurrency"] for lv in closed]
+        ax_tps.plot(xs, [lv["output_tok_per_s"] for lv in closed], marker="o", label=label)
+        for ax, key in ((ax_ttft, "ttft_s"), (ax_itl, "itl_s")):
+            ax.plot(xs, [lv[key]["p50"] for lv in closed], marker="o", label=f"{label} p50")
+            ax.plot(xs, [lv[key]["p90"] for lv in closed], marker="x", linestyle="--", label=f"{label} p90")
+    for ax, title, unit in ((ax_tps, "output tokens/s", "tok/s"), (ax_ttft, "time to first token", "s"),
+                            (ax_itl, "inter-token latency", "s")):
+        ax.set_title(title)
+        ax.set_xlabel("concurrent streams")
+        ax.set_ylabel(unit)
+        ax.set_xscale("log", base=2)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base-url", default="http://127.0.0.1:8000")
@@ -162,6 +190,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--out", default="bench/results/latest.json")
+    parser.add_argument("--label", default="server", help="name of this server in tables and plots")
+    parser.add_argument("--compare", nargs="*", default=[],
+                        help="earlier result JSON files to put in the same plot")
     args = parser.parse_args()
     levels = []
     for c in filter(None, args.concurrency.split(",")):
@@ -174,7 +205,12 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": vars(args), "levels": levels}, indent=2))
-    print(f"results: {out}", file=sys.stderr)
+    runs = {args.label: levels}
+    for other in args.compare:
+        data = json.loads(Path(other).read_text())
+        runs[data["args"].get("label", other)] = data["levels"]
+    plot(runs, out.with_suffix(".png"))
+    print(f"results: {out} and {out.with_suffix('.png')}", file=sys.stderr)
 
 
 if __name__ == "__main__":

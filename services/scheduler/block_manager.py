@@ -92,6 +92,19 @@ class BlockManager:
         seq.block_hashes = [self.blocks[b].hash for b in matched]  # type: ignore[misc]
         return len(matched) * self.block_size
 
+    def fork(self, parent: Sequence, child: Sequence, num_blocks: int) -> None:
+        """Start `child`'s table with `parent`'s first `num_blocks` blocks, shared by
+        reference count: computed KV both read and neither writes again."""
+        assert not child.block_table, f"seq {child.seq_id} already holds blocks"
+        assert num_blocks <= len(parent.block_hashes), "only computed full blocks can be shared"
+        shared = parent.block_table[:num_blocks]
+        for block_id in shared:
+            # The parent holds each, so none is in _free or _evictable.
+            assert self.blocks[block_id].ref_count > 0
+            self.blocks[block_id].ref_count += 1
+        child.block_table = list(shared)
+        child.block_hashes = parent.block_hashes[:num_blocks]
+
     # -- growth and release ----------------------------------------------------
     def num_blocks_to_grow(self, seq: Sequence, num_tokens: int) -> int:
         """Blocks to add so that `seq` holds `num_tokens` tokens in total."""

@@ -1,9 +1,14 @@
 """GenerateRequest/GenerateResponse <-> scheduler dataclasses, defaults resolved here."""
 from __future__ import annotations
 
+import dataclasses
 import random
+from collections.abc import Callable
 
-from services.common.errors import invalid_argument
+import grpc
+
+from services.common.errors import ServiceError, invalid_argument
+from services.scheduler.choices import ChoiceUpdate, Choices, sibling_seed
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.engine import EngineLoop
 from services.scheduler.sequence import (
@@ -11,7 +16,6 @@ from services.scheduler.sequence import (
     SamplingParams,
     Sequence,
     StoppingCriteria,
-    TokenEvent,
 )
 from stormserve.scheduler.v1 import scheduler_pb2
 
@@ -21,6 +25,46 @@ _FINISH = {
     FinishReason.ABORT: scheduler_pb2.FINISH_REASON_ABORT,
 }
 _SEED_BITS = 63  # torch generators take a signed 64-bit seed; uint64 seeds are folded in
+MAX_BEST_OF = 128  # MindIE's best_of range
+
+
+def _fold_seed(seed: int) -> int:
+    return seed % (1 << _SEED_BITS) ^ (seed >> _SEED_BITS)
+
+
+def to_sequences(request: scheduler_pb2.GenerateRequest, next_seq_id: Callable[[], int], config: SchedulerConfig,
+                 now_us: int) -> tuple[list[Sequence], Choices]:
+    """The request's best_of sibling sequences and how their tokens become its n choices."""
+    if request.use_beam_search:
+        raise ServiceError(grpc.StatusCode.UNIMPLEMENTED, "use_beam_search is not supported")
+    n = request.n if request.HasField("n") else 1
+    best_of = request.best_of if request.HasField("best_of") else n
+    if n < 1:
+        raise invalid_argument("n must be >= 1")
+    if best_of < n:
+        raise invalid_argument(f"best_of ({best_of}) must be >= n ({n})")
+    limit = min(MAX_BEST_OF, config.max_batch_size)
+    if best_of > limit:
+        raise invalid_argument(f"best_of (or n) must be <= {limit}, got {best_of}")
+    first = to_sequence(request, next_seq_id(), config, now_us)
+    report_logprobs = first.sampling.top_logprobs >= 0
+    if best_of == 1:
+        return [first], Choices([first], 1, report_logprobs)
+    # Siblings are ranked (or may be sorted by the caller) by cumulative logprob,
+    # so every token needs its logprob; top_logprobs 0 costs the worker next to nothing.
+    sampling = dataclasses.replace(first.sampling, top_logprobs=max(first.sampling.top_logprobs, 0))
+    seqs = []
+    for i in range(best_of):
+        seqs.append(Sequence(
+            seq_id=first.seq_id if i == 0 else next_seq_id(),
+            request_id=first.request_id,
+            prompt_token_ids=list(first.prompt_token_ids),
+            sampling=dataclasses.replace(sampling, seed=sibling_seed(sampling.seed, i)),
+            stopping=first.stopping,
+            arrival_us=first.arrival_us,
+            index=i,
+        ))
+    return seqs, Choices(seqs, n, report_logprobs)
 
 
 def to_sequence(request: scheduler_pb2.GenerateRequest, seq_id: int, config: SchedulerConfig,
@@ -40,7 +84,7 @@ def to_sequence(request: scheduler_pb2.GenerateRequest, seq_id: int, config: Sch
         temperature=s.temperature if s.HasField("temperature") else 1.0,
         top_k=max(0, s.top_k) if s.HasField("top_k") else 0,
         top_p=s.top_p if s.HasField("top_p") else 1.0,
-        seed=seed % (1 << _SEED_BITS) ^ (seed >> _SEED_BITS),
+        seed=_fold_seed(seed),
         repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
         presence_penalty=s.presence_penalty if s.HasField("presence_penalty") else 0.0,
         frequency_penalty=s.frequency_penalty if s.HasField("frequency_penalty") else 0.0,
@@ -71,26 +115,31 @@ def to_sequence(request: scheduler_pb2.GenerateRequest, seq_id: int, config: Sch
     )
 
 
-def to_response(seq: Sequence, events: list[TokenEvent], is_first: bool) -> scheduler_pb2.GenerateResponse:
+def to_response(update: ChoiceUpdate, choices: Choices) -> scheduler_pb2.GenerateResponse:
+    seq = update.seq
+    report = choices.report_logprobs  # else logprobs were only computed to rank siblings
     reply = scheduler_pb2.GenerateResponse(
+        index=update.index,
         tokens=[
             scheduler_pb2.GeneratedToken(
                 token_id=e.token_id,
-                logprob=e.logprob,
+                logprob=e.logprob if report else None,
                 top_logprobs=[scheduler_pb2.TokenAlternative(token_id=t, logprob=lp) for t, lp in e.top_logprobs],
                 batch_size=e.batch_size,
                 queue_wait_us=e.queue_wait_us,
                 latency_ms=e.latency_ms,
             )
-            for e in events
-        ]
+            for e in update.events
+        ],
     )
-    if is_first:
+    if update.is_first:
         reply.prompt_tokens = seq.num_prompt_tokens
         reply.cached_tokens = seq.num_cached_tokens
-    if seq.is_finished and seq.finish_reason is not None:
+    if update.is_last and seq.finish_reason is not None:
         reply.finish_reason = _FINISH[seq.finish_reason]
         reply.ended_by_stop_token = seq.ended_by_stop_token
+        if choices.has_logprobs:
+            reply.cumulative_logprob = seq.cumulative_logprob
     return reply
 
 
@@ -103,7 +152,7 @@ def to_worker_load(engine: EngineLoop) -> scheduler_pb2.WorkerLoad:
     )
     policy = engine.policy
     if policy is not None:
-        load.num_waiting = len(policy.waiting)
+        load.num_waiting = policy.num_unfinished - len(policy.running)  # siblings yet to fork count
         load.num_running = len(policy.running)
         load.num_kv_blocks = policy.capacity.num_kv_blocks
         load.num_free_kv_blocks = policy.num_free_blocks

@@ -28,8 +28,9 @@ class SequenceFailed:
     message: str
 
 
-# Items on a request's stream: a TokenEvent, or a SequenceFailed (then nothing more).
-StreamItem = TokenEvent | SequenceFailed
+# Items on a request's stream: a token of one of its sequences, a SequenceFailed
+# (then nothing more), or None, which only wakes the reader (see abort).
+StreamItem = tuple[Sequence, TokenEvent] | SequenceFailed | None
 
 
 class EngineLoop:
@@ -66,22 +67,28 @@ class EngineLoop:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.worker.close()
 
-    def submit(self, seq: Sequence) -> asyncio.Queue[StreamItem]:
-        """Queue a sequence; raises CapacityError if it can never fit."""
+    def submit(self, seqs: list[Sequence]) -> asyncio.Queue[StreamItem]:
+        """Queue a request's sibling sequences, all delivering to one stream; raises
+        CapacityError if they can never fit."""
         assert self.policy is not None and self.is_ready
-        self.policy.add(seq)
-        self.num_sequences += 1
+        self.policy.add_group(seqs)
+        self.num_sequences += len(seqs)
         stream: asyncio.Queue[StreamItem] = asyncio.Queue()
-        self._streams[seq.seq_id] = stream
+        for seq in seqs:
+            self._streams[seq.seq_id] = stream
         self._wakeup.set()
         return stream
 
-    def abort(self, seq: Sequence) -> None:
-        """The caller went away: drop the sequence; its KV is released with the next step."""
-        self._streams.pop(seq.seq_id, None)
+    def abort(self, seqs: list[Sequence]) -> None:
+        """End the request's unfinished sequences; their KV is released with the next step.
+        The stream gets a None so that a reader waiting on it sees them finished."""
+        streams = {id(s): s for seq in seqs if (s := self._streams.pop(seq.seq_id, None)) is not None}
         if self.policy is not None:
-            self.policy.finish(seq, FinishReason.ABORT)
+            for seq in seqs:
+                self.policy.finish(seq, FinishReason.ABORT)
             self._wakeup.set()
+        for stream in streams.values():
+            stream.put_nowait(None)
 
     async def _run(self) -> None:
         while True:
@@ -103,7 +110,7 @@ class EngineLoop:
             for seq, event in policy.postprocess(plan, sampled, started, now_us()):
                 stream = self._streams.get(seq.seq_id)
                 if stream is not None:
-                    stream.put_nowait(event)
+                    stream.put_nowait((seq, event))
                 if seq.is_finished:
                     self._streams.pop(seq.seq_id, None)
 
@@ -113,7 +120,7 @@ class EngineLoop:
         policy = self.policy
         if policy is None:
             return
-        for seq in list(policy.running) + list(policy.waiting):
+        for seq in policy.unfinished_sequences():
             policy.finish(seq, FinishReason.ABORT)
             stream = self._streams.pop(seq.seq_id, None)
             if stream is not None:

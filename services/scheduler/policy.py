@@ -10,70 +10,26 @@ KV blocks are taken on demand (BlockManager), with prefix-cache hits at
 admission. When a decode cannot get a block, the newest running sequence is
 preempted: its blocks are freed and it goes back to the head of the waiting
 queue, to be recomputed (prompt and outputs so far) when room returns.
+
+Several sequences per request (n, best_of): the siblings of one request do not
+each prefill the prompt. The first one queues alone; the step that completes its
+prompt forks the others from it, sharing its full prompt blocks by reference
+count, and each computes only the prompt's tail (the last, partial block) itself.
+A preempted sibling is recomputed like any sequence (MindIE aborts such requests).
 """
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 
 from services.scheduler.block_manager import BlockManager
+from services.scheduler.plan import (  # noqa: F401 - re-exported: the policy's vocabulary
+    CapacityError,
+    SampledToken,
+    ScheduledSequence,
+    StepPlan,
+    WorkerCapacity,
+)
 from services.scheduler.sequence import FinishReason, Sequence, SequenceStatus, TokenEvent
-
-
-@dataclass(frozen=True)
-class WorkerCapacity:
-    """What the worker reported in Describe."""
-
-    num_kv_blocks: int
-    block_size: int
-    max_batch_size: int
-    eos_token_ids: frozenset[int]
-
-
-@dataclass(frozen=True)
-class ScheduledSequence:
-    """One sequence's part of a step: `num_new_tokens` tokens from `num_computed_tokens` on."""
-
-    seq: Sequence
-    num_computed_tokens: int
-    num_new_tokens: int
-    # False for a prefill chunk that does not reach the end of the sequence. Fixed
-    # at planning: the sequence grows once the step's token is appended.
-    is_sampling: bool = field(init=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "is_sampling", self.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens)
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.seq.all_token_ids[self.num_computed_tokens : self.num_computed_tokens + self.num_new_tokens]
-
-
-@dataclass
-class StepPlan:
-    step_id: int
-    scheduled: list[ScheduledSequence]
-    release_seq_ids: list[int] = field(default_factory=list)
-
-    @property
-    def sequences(self) -> list[Sequence]:
-        return [s.seq for s in self.scheduled]
-
-    @property
-    def batch_size(self) -> int:
-        return len(self.scheduled)
-
-
-@dataclass(frozen=True)
-class SampledToken:
-    seq_id: int
-    token_id: int
-    logprob: float | None = None
-    top_logprobs: tuple[tuple[int, float], ...] = ()
-
-
-class CapacityError(ValueError):
-    """The request can never fit this worker, whatever else is running."""
 
 
 class BatchPolicy:
@@ -91,13 +47,30 @@ class BatchPolicy:
 
     # -- admission ---------------------------------------------------------
     def add(self, seq: Sequence) -> None:
-        needed = self.blocks.blocks_for(seq.num_prompt_tokens + seq.stopping.max_tokens)
-        if needed > self.capacity.num_kv_blocks:
-            raise CapacityError(
-                f"prompt ({seq.num_prompt_tokens} tokens) + max_tokens ({seq.stopping.max_tokens}) "
-                f"exceeds the KV cache ({self.capacity.num_kv_blocks * self.capacity.block_size} tokens)"
-            )
-        self.waiting.append(seq)
+        self.add_group([seq])
+
+    def add_group(self, seqs: list[Sequence]) -> None:
+        """Queue one request's sibling sequences (one for n = best_of = 1).
+
+        The first (leader) queues; the others wait outside the queue until its
+        prompt KV is computed, then fork from it (see _fork) instead of each
+        prefilling the prompt. Penalties need every prompt token fed to the worker
+        (its penalty history), so such siblings queue and prefill on their own."""
+        for seq in seqs:
+            needed = self.blocks.blocks_for(seq.num_prompt_tokens + seq.stopping.max_tokens)
+            if needed > self.capacity.num_kv_blocks:
+                raise CapacityError(
+                    f"prompt ({seq.num_prompt_tokens} tokens) + max_tokens ({seq.stopping.max_tokens}) "
+                    f"exceeds the KV cache ({self.capacity.num_kv_blocks * self.capacity.block_size} tokens)"
+                )
+        leader, *siblings = seqs
+        if siblings and not leader.sampling.has_penalties:
+            leader.forks = siblings
+            for sibling in siblings:
+                sibling.status, sibling.fork_of = SequenceStatus.FORK_PENDING, leader
+            self.waiting.append(leader)
+        else:
+            self.waiting.extend(seqs)
 
     def num_cached_prefix_tokens(self, seq: Sequence) -> int:
         """Prompt tokens `seq` would reuse here (for placement across workers)."""
@@ -111,7 +84,12 @@ class BatchPolicy:
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.unfinished_sequences())
+
+    def unfinished_sequences(self) -> list[Sequence]:
+        """Running, waiting and fork-pending sequences."""
+        seqs = list(self.running) + list(self.waiting)
+        return seqs + [fork for seq in seqs for fork in seq.forks]
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._to_release)
@@ -164,8 +142,12 @@ class BatchPolicy:
             self.blocks.commit(seq)
             if not entry.is_sampling:
                 continue
+            if seq.forks:  # its prompt KV is complete: the siblings start from it
+                self._fork(seq)
             token = sampled[seq.seq_id]
             seq.output_token_ids.append(token.token_id)
+            if token.logprob is not None:
+                seq.cumulative_logprob += token.logprob
             event = TokenEvent(
                 token_id=token.token_id,
                 batch_size=plan.batch_size,
@@ -183,7 +165,13 @@ class BatchPolicy:
         """End a sequence (abort or error): it leaves the queue or batch and its blocks are freed."""
         if seq.is_finished:
             return
-        if seq.status is SequenceStatus.WAITING:
+        if seq.forks:
+            self._orphan_forks(seq)
+        if seq.status is SequenceStatus.FORK_PENDING:
+            assert seq.fork_of is not None
+            seq.fork_of.forks.remove(seq)
+            seq.fork_of = None
+        elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         else:
             self.running.remove(seq)
@@ -210,6 +198,33 @@ class BatchPolicy:
     def forget_worker_state(self) -> None:
         """The worker restarted or died: nothing it held needs releasing any more."""
         self._to_release = []
+
+    # -- siblings ----------------------------------------------------------
+    def _fork(self, leader: Sequence) -> None:
+        """Start the leader's pending siblings on its computed prompt blocks.
+
+        Only full blocks before the last prompt token are shared: each sibling feeds
+        the prompt's tail itself (at most one block), since the step that feeds the
+        last prompt token is the one that yields its logits to sample from — and
+        the worker must never write into a shared block."""
+        num_shared = (leader.num_prompt_tokens - 1) // self.blocks.block_size
+        for sibling in leader.forks:
+            self.blocks.fork(leader, sibling, num_shared)
+            sibling.num_computed_tokens = sibling.num_cached_tokens = num_shared * self.blocks.block_size
+            self.num_cached_tokens += sibling.num_cached_tokens
+            sibling.status, sibling.fork_of = SequenceStatus.RUNNING, None
+            self.running.append(sibling)
+        leader.forks = []
+
+    def _orphan_forks(self, leader: Sequence) -> None:
+        """The leader ends before its prompt is computed (abort, worker lost): its
+        first pending sibling takes over as the leader at the head of the queue."""
+        heir, *rest = leader.forks
+        leader.forks = []
+        heir.status, heir.fork_of, heir.forks = SequenceStatus.WAITING, None, rest
+        for sibling in rest:
+            sibling.fork_of = heir
+        self.waiting.appendleft(heir)
 
     # -- helpers -----------------------------------------------------------
     def _schedule_decodes(self, batch: list[ScheduledSequence]) -> bool:

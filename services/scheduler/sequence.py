@@ -13,6 +13,8 @@ class FinishReason(enum.Enum):
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
+    # A sibling waiting, outside the queue, for its leader's prompt KV to fork from.
+    FORK_PENDING = "fork_pending"
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -62,7 +64,7 @@ class TokenEvent:
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(eq=False)  # identity: siblings reference each other, and queues remove by identity
 class Sequence:
     seq_id: int
     request_id: str
@@ -86,6 +88,13 @@ class Sequence:
     # the full blocks already computed (the prefix-cache keys).
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
+    # Several sequences per request: this one's sibling number (0 = the leader), the
+    # siblings that fork from its prompt once computed, and the leader it forks from.
+    index: int = 0
+    forks: list[Sequence] = field(default_factory=list)
+    fork_of: Sequence | None = None
+    # Sum of the sampled tokens' logprobs (ranks best_of siblings; 0 without logprobs).
+    cumulative_logprob: float = 0.0
 
     def __post_init__(self) -> None:
         self.last_event_us = self.last_event_us or self.arrival_us

@@ -1,5 +1,5 @@
-"""SchedulerService wiring: Generate streams a sequence's tokens; cancelling the
-call aborts the sequence."""
+"""SchedulerService wiring: Generate streams a request's choices (one sequence per
+sibling, see choices.py); cancelling the call aborts every sibling."""
 from __future__ import annotations
 
 import logging
@@ -7,9 +7,10 @@ import logging
 import grpc
 
 from services.common.errors import ServiceError
+from services.scheduler.choices import Choices
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.convert import to_response, to_sequence, to_worker_load
-from services.scheduler.engine import SequenceFailed, now_us
+from services.scheduler.convert import to_response, to_sequences, to_worker_load
+from services.scheduler.engine import EngineLoop, SequenceFailed, now_us
 from services.scheduler.policy import CapacityError
 from services.scheduler.router import Router
 from stormserve.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
@@ -21,51 +22,52 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
     def __init__(self, config: SchedulerConfig, router: Router):
         self.config = config
         self.router = router
-        self._live: dict[str, tuple] = {}  # request_id -> (engine, seq)
+        self._live: dict[str, tuple[EngineLoop, Choices]] = {}
 
     async def Generate(self, request, context):
         if sum(e.load for e in self.router.engines) >= self.config.max_queue_size:
             raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, "the request queue is full")
         if request.request_id in self._live:
             raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request {request.request_id} is already running")
-        seq = to_sequence(request, self.router.next_seq_id(), self.config, now_us())
-        engine = self.router.place(seq)
+        seqs, choices = to_sequences(request, self.router.next_seq_id, self.config, now_us())
+        # Siblings share the prompt's KV blocks, so they all run on one worker.
+        engine = self.router.place(seqs[0])
         try:
-            stream = engine.submit(seq)
+            stream = engine.submit(seqs)
         except CapacityError as exc:
             raise ServiceError(grpc.StatusCode.OUT_OF_RANGE, str(exc)) from exc
-        self._live[seq.request_id] = (engine, seq)
-        is_first = True
+        self._live[request.request_id] = (engine, choices)
         try:
-            while True:
-                # Coalesce whatever is pending into one message when the reader is behind.
+            while not choices.is_done:
+                # Coalesce whatever is pending into one message per choice when the reader is behind.
                 items = [await stream.get()]
                 while not stream.empty():
                     items.append(stream.get_nowait())
                 failure = next((i for i in items if isinstance(i, SequenceFailed)), None)
                 if failure is not None:
                     raise ServiceError(grpc.StatusCode.UNAVAILABLE, failure.message)
-                yield to_response(seq, items, is_first)
-                is_first = False
-                if seq.is_finished:
-                    return
+                for update in choices.accept([i for i in items if isinstance(i, tuple)]):
+                    yield to_response(update, choices)
         finally:
-            self._live.pop(seq.request_id, None)
-            if not seq.is_finished:
-                engine.abort(seq)
+            self._live.pop(request.request_id, None)
+            if choices.unfinished:
+                engine.abort(choices.unfinished)
 
     async def Abort(self, request, context):
         entry = self._live.get(request.request_id)
         if entry is None:
             return scheduler_pb2.AbortResponse(found=False)
-        engine, seq = entry
-        engine.abort(seq)
+        engine, choices = entry
+        seqs = choices.unfinished
+        if request.HasField("index"):
+            seqs = [s for s in seqs if s.index == choices.sibling_of(request.index)]
+        engine.abort(seqs)
         return scheduler_pb2.AbortResponse(found=True)
 
     async def GetLoad(self, request, context):
         engines = self.router.engines
         return scheduler_pb2.GetLoadResponse(
-            num_waiting=sum(len(e.policy.waiting) for e in engines if e.policy),
+            num_waiting=sum(e.policy.num_unfinished - len(e.policy.running) for e in engines if e.policy),
             num_running=sum(len(e.policy.running) for e in engines if e.policy),
             num_workers_ready=len(self.router.ready_engines),
             num_steps=sum(e.num_steps for e in engines),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 
 from services.common.grpc_server import channel, is_serving
-from services.scheduler.policy import SampledToken, ScheduledSequence, StepPlan, WorkerCapacity
+from services.scheduler.plan import SampledToken, ScheduledSequence, StepPlan, WorkerCapacity
 from stormserve.worker.v1 import worker_pb2, worker_pb2_grpc
 
 

@@ -31,8 +31,9 @@ def make_seq(seq_id, prompt_len=5, max_tokens=4, arrival_us=1_000, **stopping):
 class FakeWorker:
     """Stands in for the worker: keeps "KV" (the token at each slot) in a pool read and
     written only through the block tables it is sent, and samples either a fixed token
-    or one derived from the whole context it reads back — so a wrong table, a wrong
-    num_computed_tokens or a write into a shared block changes the text or fails."""
+    or one derived from the whole context it reads back and the seed — so a wrong
+    table, a wrong num_computed_tokens or a write into a shared block changes the text
+    or fails. Logprobs (when asked) are a function of the token."""
 
     def __init__(self, token=None, policy=None):
         self.token = token
@@ -67,8 +68,11 @@ class FakeWorker:
             self.computed[seq.seq_id] = end
             if e.is_sampling:
                 context = [self.slots[table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE] for p in range(end)]
-                token = self.token if self.token is not None else 10 + sum((i + 1) * t for i, t in enumerate(context)) % 37
-                sampled[seq.seq_id] = SampledToken(seq.seq_id, token)
+                # The seed picks the "random" stream, as on the real worker.
+                mixed = sum((i + 1) * t for i, t in enumerate(context)) + seq.sampling.seed
+                token = self.token if self.token is not None else 10 + mixed % 37
+                logprob = -0.1 - (token % 7) / 4 if seq.sampling.top_logprobs >= 0 else None
+                sampled[seq.seq_id] = SampledToken(seq.seq_id, token, logprob)
         return sampled
 
 

@@ -4,8 +4,8 @@ Every field of api-docs 000/001/003 is modelled. Types are strict (`"hot"`
 or `true` is not a number, `1.0` is not an integer), `null` counts as absent,
 unknown fields are ignored. Ranges follow the docs and the reference
 (§1.2-1.4, §9): temperature [0, 2], top_k -1 or [0, 2^31-1], seed the full
-uint64 range. Features the backend may not run yet (n > 1, beam search, tools,
-response_format) are accepted here; the backend answers INVALID_ARGUMENT.
+uint64 range. Features the backend may not run yet (n > 1, beam search)
+are accepted here; the backend answers INVALID_ARGUMENT.
 
 Messages raised here name the rule ("must be in [0, 2]"); `errors.py` puts
 the field path in front. The building blocks live in `validation.py`.

@@ -26,7 +26,8 @@ async def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model_config = AutoConfig.from_pretrained(model_dir)
     core = TokenizerCore(config, tokenizer, str(model_dir),
-                         getattr(model_config, "max_position_embeddings", config.max_seq_len))
+                         getattr(model_config, "max_position_embeddings", config.max_seq_len),
+                         model_type=getattr(model_config, "model_type", "") or "")
     scheduler_channel = channel(config.scheduler_address)
     service.add(chat_pb2_grpc.add_ChatServiceServicer_to_server,
                 ChatServicer(core, scheduler_pb2_grpc.SchedulerServiceStub(scheduler_channel)),
@@ -34,7 +35,8 @@ async def main() -> None:
     service.add(tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server, TokenizerServicer(core),
                 tokenizer_pb2.DESCRIPTOR.services_by_name["TokenizerService"])
     await service.start()
-    log.info("model %s from %s; input limit %d tokens", config.model_name, model_dir, core.max_input_tokens)
+    log.info("model %s from %s; input limit %d tokens; tool format %s; reasoning %s", config.model_name,
+             model_dir, core.max_input_tokens, core.formats.tool_parser, core.formats.reasoning)
 
     async def follow_scheduler() -> None:
         # Ready only while the scheduler behind us is: health checks see the whole chain.

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 from services.common.config import require, setting
 from services.common.model_files import DEFAULT_MODEL_NAME
+from services.tokenizer.parsers import PARSERS, REASONING_PARSERS
 
 
 @dataclass(frozen=True)
@@ -22,10 +23,18 @@ class TokenizerConfig:
     full_text_enabled: bool = setting(
         False, "stream deltas carry the whole text so far, and the final chunk `full_text`",
         alias="fullTextEnabled")
+    tool_call_parser: str = setting(
+        "", "tool-call format: " + ", ".join(PARSERS) + "; empty = detect from the model (hermes if unknown)")
+    reasoning_parser: str = setting(
+        "", "<think> reasoning: " + ", ".join(REASONING_PARSERS) + " force it on, `none` off; "
+        "empty = on when the chat template mentions <think>")
 
     def __post_init__(self) -> None:
         require(0 < len(self.model_name) <= 256, "modelName must have 1-256 characters")
         require(all(c.isascii() and (c.isalnum() or c in "_.-") for c in self.model_name),
                 "modelName may contain only letters, digits, '_', '.' and '-'")
         require(self.max_seq_len >= 2, "maxSeqLen must be >= 2")
+        require(self.tool_call_parser in ("", *PARSERS), f"tool_call_parser must be one of {', '.join(PARSERS)}")
+        require(self.reasoning_parser in ("", "none", *REASONING_PARSERS),
+                f"reasoning_parser must be none or one of {', '.join(REASONING_PARSERS)}")
         require(1 <= self.max_input_token_len <= 4194304, "maxInputTokenLen must be in [1, 4194304]")

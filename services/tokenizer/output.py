@@ -8,6 +8,10 @@ Two options change the stream's shape (not an aggregated non-stream reply):
   product pages show.
 - `fullTextEnabled` (MindIE) makes each delta the whole text so far and adds
   `full_text` to the final chunk.
+
+Reasoning and tool calls are split out by `parsed_output.OutputParser`; a
+choice that made tool calls finishes with `tool_calls`, except a stream cut by
+`length`, which keeps `length` (reference §2.4).
 """
 from __future__ import annotations
 
@@ -17,6 +21,8 @@ from stormserve.chat.v1 import chat_pb2
 from stormserve.scheduler.v1 import scheduler_pb2
 
 from services.tokenizer.detokenizer import IncrementalDetokenizer
+from services.tokenizer.formats import OutputOptions
+from services.tokenizer.parsed_output import OutputParser, Parsed
 from services.tokenizer.stop_strings import StopStringMatcher
 
 _FINISH = {
@@ -44,14 +50,18 @@ def usage_placement(request: chat_pb2.ChatRequest) -> UsagePlacement:
 
 class ChoiceOutput:
     def __init__(self, tokenizer, request: chat_pb2.ChatRequest, chunk_id: str, created: int,
-                 prompt_tokens: int, index: int = 0, full_text_enabled: bool = False):
+                 prompt_tokens: int, index: int = 0, full_text_enabled: bool = False,
+                 options: OutputOptions = OutputOptions()):
         self._tokenizer = tokenizer
         self._chunk_id = chunk_id
         self._created = created
         self._model = request.model
         self._index = index
         skip_special = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
-        self._detokenizer = IncrementalDetokenizer(tokenizer.backend_tokenizer, skip_special)
+        self._detokenizer = IncrementalDetokenizer(tokenizer.backend_tokenizer, skip_special,
+                                                   options.keep_special_ids)
+        self._parser = OutputParser(options, request.stream)
+        self._stream = request.stream
         self._stop = StopStringMatcher(list(request.stop), request.include_stop_str_in_output)
         self._want_logprobs = request.logprobs or request.HasField("top_logprobs")
         self.prompt_tokens = prompt_tokens
@@ -76,33 +86,39 @@ class ChoiceOutput:
         """The chunk for this message, or None when it adds nothing visible yet."""
         if response.cached_tokens:
             self.cached_tokens = response.cached_tokens
-        pieces: list[str] = []
+        parsed = Parsed()
         logprobs: list[chat_pb2.TokenLogprob] = []
         last = len(response.tokens) - 1
         for i, token in enumerate(response.tokens):
             self._record(token)
             if i == last and response.ended_by_stop_token:
                 continue  # EOS or a stop token: counted, never shown
-            pieces.append(self._detokenizer.step(token.token_id))
+            # Token by token, so the parser knows which tokens were reasoning.
+            parsed.extend(self._parser.feed(self._stop.feed(self._detokenizer.step(token.token_id))))
             if self._want_logprobs:
                 logprobs.append(self._logprob_entry(token))
-        text = self._stop.feed("".join(pieces))
         finish = chat_pb2.FINISH_REASON_UNSPECIFIED
         if self._stop.is_stopped:
             finish = chat_pb2.FINISH_REASON_STOP
         elif response.finish_reason != scheduler_pb2.FINISH_REASON_UNSPECIFIED:
-            text += self._stop.flush()
+            parsed.extend(self._parser.feed(self._stop.flush(), tokens=0))
             finish = _FINISH[response.finish_reason]
-        if finish == chat_pb2.FINISH_REASON_UNSPECIFIED and not text and not logprobs:
+        if finish != chat_pb2.FINISH_REASON_UNSPECIFIED:
+            parsed.extend(self._parser.finish())
+            if self._parser.has_tool_calls and (finish == chat_pb2.FINISH_REASON_STOP or not self._stream):
+                finish = chat_pb2.FINISH_REASON_TOOL_CALLS
+        elif not parsed and not logprobs:
             return None
-        chunk = self._chunk(text, finish)
+        chunk = self._chunk(parsed, finish)
         if logprobs:
             chunk.choices[0].logprobs.content.extend(logprobs)
         return chunk
 
     def error_chunk(self, code: int, message: str) -> chat_pb2.ChatChunk:
         """The last chunk of a stream that failed after it started."""
-        chunk = self._chunk(self._stop.flush(), chat_pb2.FINISH_REASON_STOP)
+        parsed = self._parser.feed(self._stop.flush(), tokens=0)
+        parsed.extend(self._parser.finish())
+        chunk = self._chunk(parsed, chat_pb2.FINISH_REASON_STOP)
         chunk.error.CopyFrom(chat_pb2.ChatError(code=code, message=message, error_type="Generation Error"))
         return chunk
 
@@ -136,16 +152,22 @@ class ChoiceOutput:
         return chat_pb2.ChatChunk(id=self._chunk_id, created=self._created, model=self._model,
                                   usage=self.usage)
 
-    def _chunk(self, text: str, finish: int) -> chat_pb2.ChatChunk:
-        self._text_so_far += text
+    def _chunk(self, parsed: Parsed, finish: int) -> chat_pb2.ChatChunk:
+        self._text_so_far += parsed.content
+        delta = chat_pb2.ChatDelta(role="assistant",
+                                   content=self._text_so_far if self._is_full_text else parsed.content,
+                                   tool_calls=parsed.tool_calls)
+        # The final chunk always says the parser ran (`""` when nothing was
+        # reasoning): a non-stream reply has `reasoning_content` exactly then.
+        if parsed.reasoning or (self._parser.reasoning_enabled and finish):
+            delta.reasoning_content = parsed.reasoning
         chunk = chat_pb2.ChatChunk(
             id=self._chunk_id,
             created=self._created,
             model=self._model,
             choices=[chat_pb2.ChunkChoice(
                 index=self._index,
-                delta=chat_pb2.ChatDelta(role="assistant",
-                                         content=self._text_so_far if self._is_full_text else text),
+                delta=delta,
                 finish_reason=finish,
             )],
         )
@@ -158,7 +180,8 @@ class ChoiceOutput:
                 completion_tokens=self.completion_tokens,
                 total_tokens=self.prompt_tokens + self.completion_tokens,
                 prompt_tokens_details=chat_pb2.PromptTokensDetails(cached_tokens=self.cached_tokens),
-                completion_tokens_details=chat_pb2.CompletionTokensDetails(reasoning_tokens=0),
+                completion_tokens_details=chat_pb2.CompletionTokensDetails(
+                    reasoning_tokens=self._parser.reasoning_tokens),
                 batch_size=self._batch_sizes,
                 queue_wait_time=self._queue_waits,
             )

@@ -10,10 +10,12 @@ import grpc
 
 from services.common.errors import ServiceError, invalid_argument
 from services.tokenizer.config import TokenizerConfig
+from services.tokenizer.formats import ModelFormats, output_options
 from services.tokenizer.grammar import response_format_grammar
 from services.tokenizer.output import ChoiceOutput
 from services.tokenizer.structs import struct_to_dict
 from services.tokenizer.template import render
+from services.tokenizer.tool_grammar import tool_choice_grammar
 from stormserve.chat.v1 import chat_pb2, chat_pb2_grpc
 from stormserve.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from stormserve.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
@@ -26,9 +28,11 @@ CODE_GENERATION_FAILED = 9999
 class TokenizerCore:
     """What both services share: the loaded tokenizer and the limits."""
 
-    def __init__(self, config: TokenizerConfig, tokenizer, model_root: str, max_position_embeddings: int):
+    def __init__(self, config: TokenizerConfig, tokenizer, model_root: str, max_position_embeddings: int,
+                 model_type: str = ""):
         self.config = config
         self.tokenizer = tokenizer
+        self.formats = ModelFormats.detect(config, tokenizer, model_type)
         self.model_root = model_root
         self.created = int(time.time())
         self.max_input_tokens = min(config.max_input_token_len, config.max_seq_len - 1, max_position_embeddings)
@@ -54,14 +58,12 @@ def _reject_unsupported(request: chat_pb2.ChatRequest) -> None:
         unsupported.append("best_of > 1")
     if request.use_beam_search:
         unsupported.append("use_beam_search")
-    if request.tool_choice.mode in (chat_pb2.TOOL_CHOICE_MODE_REQUIRED, chat_pb2.TOOL_CHOICE_MODE_FUNCTION):
-        unsupported.append("tool_choice required or a named function")
     if unsupported:
         raise invalid_argument("not supported yet: " + ", ".join(unsupported))
 
 
 def _generate_request(request: chat_pb2.ChatRequest, request_id: str, prompt: list[int],
-                      arrival_us: int) -> scheduler_pb2.GenerateRequest:
+                      arrival_us: int, grammar: scheduler_pb2.Grammar | None) -> scheduler_pb2.GenerateRequest:
     sampling = scheduler_pb2.SamplingParams()
     for name in ("temperature", "top_k", "top_p", "seed", "repetition_penalty", "presence_penalty",
                  "frequency_penalty"):
@@ -69,7 +71,6 @@ def _generate_request(request: chat_pb2.ChatRequest, request_id: str, prompt: li
             setattr(sampling, name, getattr(request, name))
     if request.logprobs or request.HasField("top_logprobs"):
         sampling.top_logprobs = request.top_logprobs
-    grammar = response_format_grammar(request.response_format)
     if grammar is not None:
         sampling.grammar.CopyFrom(grammar)
     stopping = scheduler_pb2.StoppingCriteria(
@@ -104,9 +105,15 @@ class ChatServicer(chat_pb2_grpc.ChatServiceServicer):
                 f"than {limit},the input ids length is {len(prompt.token_ids)}",
             )
         request_id = request.request_id or f"chatcmpl-{uuid.uuid4().hex}"
+        options = output_options(self.core.formats, bool(request.tools), kwargs, prompt.text)
+        # A forced tool call, else response_format (the two together are refused).
+        grammar = tool_choice_grammar(request, options, self.core.formats) or response_format_grammar(
+            request.response_format)
         output = ChoiceOutput(self.core.tokenizer, request, request_id, arrival_us // 1_000_000,
-                              len(prompt.token_ids), full_text_enabled=self.core.config.full_text_enabled)
-        call = self.scheduler.Generate(_generate_request(request, request_id, prompt.token_ids, arrival_us))
+                              len(prompt.token_ids), full_text_enabled=self.core.config.full_text_enabled,
+                              options=options)
+        call = self.scheduler.Generate(
+            _generate_request(request, request_id, prompt.token_ids, arrival_us, grammar))
         has_sent = False
         try:
             async for response in call:

@@ -1,9 +1,10 @@
 """Render a conversation with the model's own chat template and tokenize it."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
-
 
 from services.common.errors import invalid_argument
 from services.tokenizer.structs import struct_to_dict
@@ -16,6 +17,28 @@ MEDIA_TYPES = ("image_url", "video_url", "audio_url")
 class RenderedPrompt:
     text: str
     token_ids: list[int]
+
+
+def _arguments_as_object(conversation: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """The conversation with prior calls' arguments as dicts, or None when no
+    call has JSON-object arguments. Templates disagree: most (Qwen2.5, Llama,
+    Mistral) write `arguments | tojson`, the transformers convention, which
+    would quote a JSON string twice; DeepSeek's concatenates the text."""
+    changed = False
+    out = []
+    for message in conversation:
+        calls = []
+        for call in message.get("tool_calls", ()):
+            try:
+                value = json.loads(call["function"]["arguments"])
+            except ValueError:
+                value = None
+            if isinstance(value, dict):
+                call = {**call, "function": {**call["function"], "arguments": value}}
+                changed = True
+            calls.append(call)
+        out.append({**message, "tool_calls": calls} if calls else message)
+    return out if changed else None
 
 
 def message_to_dict(message: chat_pb2.ChatMessage) -> dict[str, Any]:
@@ -60,15 +83,19 @@ def render(tokenizer, messages: list[chat_pb2.ChatMessage], tools: list[chat_pb2
     conversation = [message_to_dict(m) for m in messages]
     last = messages[-1]
     continue_final = last.role == "assistant" and last.HasField("prefix") and last.prefix
+    apply = partial(tokenizer.apply_chat_template, tools=[tool_to_dict(t) for t in tools] or None,
+                    tokenize=False, add_generation_prompt=add_generation_prompt and not continue_final,
+                    continue_final_message=continue_final, **template_kwargs)
     try:
-        text = tokenizer.apply_chat_template(
-            conversation,
-            tools=[tool_to_dict(t) for t in tools] or None,
-            tokenize=False,
-            add_generation_prompt=add_generation_prompt and not continue_final,
-            continue_final_message=continue_final,
-            **template_kwargs,
-        )
+        # Prior calls' arguments as objects first; a template that
+        # concatenates them as text (DeepSeek) fails on that and gets the text.
+        as_object = _arguments_as_object(conversation)
+        try:
+            text = apply(as_object or conversation)
+        except TypeError:
+            if as_object is None:
+                raise
+            text = apply(conversation)
     except Exception as exc:  # noqa: BLE001 - template errors are the caller's input problem
         raise invalid_argument(f"chat template failed: {exc}") from exc
     token_ids = tokenizer.encode(text, add_special_tokens=False)

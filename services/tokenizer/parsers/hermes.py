@@ -80,7 +80,9 @@ class HermesToolParser:
         if self._in_block and self._name_sent:
             text = ""  # a call cut short: what it had was already streamed
         elif self._in_block:
-            text = START + self._buffer
+            # Not a call after all; after earlier calls it is dropped, like
+            # any text there (see _emit_content).
+            text = START + self._buffer if self._index == 0 else ""
         else:
             text = self._buffer if self._index < 0 else ""
         self._buffer = ""
@@ -111,6 +113,8 @@ class HermesToolParser:
             self._scanner = JsonValueScanner()
             self._buffer = self._buffer[head.end():]
         if not self._args_done:
+            if self._scanner.depth == 0:  # not started: the arguments text starts at its `{`
+                self._buffer = self._buffer.lstrip()
             used = self._scanner.feed(self._buffer)
             if used:
                 out.tool_calls.append(ToolCallDelta(self._index, arguments=self._buffer[:used]))

@@ -182,6 +182,19 @@ def test_aggregate_merges_tool_calls_reasoning_and_logprobs() -> None:
     assert [e["token"] for e in choice["logprobs"]["content"]] == ["t", "t"]
 
 
+def test_aggregate_keeps_empty_reasoning_when_the_parser_ran() -> None:
+    # The tokenizer marks a reply whose reasoning parser ran with `""` on the
+    # final chunk; a reply without the parser has no reasoning keys at all.
+    builder = CompletionBuilder(CTX)
+    builder.add(chunk("Direct."))
+    builder.add(chunk(delta=chat_pb2.ChatDelta(reasoning_content=""), finish=chat_pb2.FINISH_REASON_STOP))
+    message = builder.result()["choices"][0]["message"]
+    assert (message["reasoning_content"], message["reasoning"], message["content"]) == ("", "", "Direct.")
+    plain = CompletionBuilder(CTX)
+    plain.add(chunk("Direct.", finish=chat_pb2.FINISH_REASON_STOP))
+    assert "reasoning_content" not in plain.result()["choices"][0]["message"]
+
+
 def test_aggregate_prefers_full_text_over_cumulative_deltas() -> None:
     builder = CompletionBuilder(CTX)
     for text in ["Hel", "Hello", "Hello!"]:  # fullTextEnabled: cumulative deltas

@@ -1,5 +1,6 @@
 """ChatServicer.Chat over a scripted scheduler: the extra usage-only chunk and
-fullTextEnabled from the config reach the gRPC stream."""
+fullTextEnabled from the config reach the gRPC stream; tools are parsed and a
+forced tool_choice reaches the scheduler as a grammar."""
 from __future__ import annotations
 
 import asyncio
@@ -44,14 +45,17 @@ class ScriptedScheduler:
     def __init__(self, responses):
         self.responses = responses
         self.calls: list[ScriptedGenerate] = []
+        self.requests: list[scheduler_pb2.GenerateRequest] = []
 
     def Generate(self, request):  # noqa: N802 (gRPC stub name)
+        self.requests.append(request)
         self.calls.append(ScriptedGenerate(self.responses))
         return self.calls[-1]
 
 
-def chat(tokenizer, request: chat_pb2.ChatRequest, **config) -> list[chat_pb2.ChatChunk]:
-    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+def chat(tokenizer, request: chat_pb2.ChatRequest, text: str = TEXT, scheduler_requests: list | None = None,
+         **config) -> list[chat_pb2.ChatChunk]:
+    ids = tokenizer.encode(text, add_special_tokens=False)
     responses = [scheduler_pb2.GenerateResponse(tokens=[scheduler_pb2.GeneratedToken(token_id=i, batch_size=1)])
                  for i in ids]
     responses[-1].finish_reason = scheduler_pb2.FINISH_REASON_LENGTH
@@ -63,6 +67,8 @@ def chat(tokenizer, request: chat_pb2.ChatRequest, **config) -> list[chat_pb2.Ch
 
     chunks = asyncio.run(collect())
     assert scheduler.calls[0].cancelled  # the scheduler call is always closed
+    if scheduler_requests is not None:
+        scheduler_requests.extend(scheduler.requests)
     return chunks
 
 
@@ -92,3 +98,31 @@ def test_full_text_enabled_config_reaches_the_stream(tokenizer):
     plain = chat(tokenizer, ask(stream=True))
     assert "".join(c.choices[0].delta.content for c in plain) == TEXT
     assert not plain[-1].HasField("full_text")
+
+
+CALL = '<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>'
+
+
+def with_tool(**fields) -> chat_pb2.ChatRequest:
+    request = ask(**fields)
+    request.tools.add(type="function").function.name = "ping"
+    return request
+
+
+def test_named_tool_choice_sends_a_lark_grammar_and_the_call_comes_back_parsed(tokenizer):
+    sent: list[scheduler_pb2.GenerateRequest] = []
+    choice = chat_pb2.ToolChoice(mode=chat_pb2.TOOL_CHOICE_MODE_FUNCTION, function_name="ping")
+    chunks = chat(tokenizer, with_tool(tool_choice=choice), text=CALL, scheduler_requests=sent)
+    grammar = sent[0].sampling.grammar
+    assert grammar.kind == scheduler_pb2.GRAMMAR_KIND_LARK and '\\"ping\\"' in grammar.source
+    calls = [c for chunk in chunks for c in chunk.choices[0].delta.tool_calls]
+    assert [(c.function.name, c.function.arguments) for c in calls] == [("ping", "{}")]
+    assert chunks[-1].choices[0].finish_reason == chat_pb2.FINISH_REASON_TOOL_CALLS
+
+
+def test_tool_choice_none_offers_no_tools_but_still_parses(tokenizer):
+    sent: list[scheduler_pb2.GenerateRequest] = []
+    none = chat_pb2.ToolChoice(mode=chat_pb2.TOOL_CHOICE_MODE_NONE)
+    chunks = chat(tokenizer, with_tool(tool_choice=none), text=CALL, scheduler_requests=sent)
+    assert not sent[0].sampling.HasField("grammar")
+    assert [c.function.name for chunk in chunks for c in chunk.choices[0].delta.tool_calls] == ["ping"]

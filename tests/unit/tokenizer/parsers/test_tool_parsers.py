@@ -77,6 +77,8 @@ def test_stream_character_by_character_has_openai_delta_shape(parser_name, text,
     got_content, deltas = stream(parser_name, list(text))
     assert got_content == content
     check_calls(merge_calls(deltas), expected)
+    # The streamed arguments are the very text a non-stream reply carries.
+    assert [c.arguments for c in merge_calls(deltas)] == [c.arguments for c in PARSERS[parser_name][1](text)[1]]
     seen = set()
     for d in deltas:
         if d.index not in seen:  # the first delta of a call names it

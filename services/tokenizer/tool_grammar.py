@@ -17,15 +17,13 @@ import llguidance
 
 from services.common.errors import invalid_argument
 from services.tokenizer.formats import ModelFormats, OutputOptions
+from services.common.json_grammar import JSON_OPTIONS
 from services.tokenizer.parsers import deepseek, hermes
 from services.tokenizer.parsers.reasoning import THINK_END
 from services.tokenizer.structs import struct_to_dict
 from stormserve.chat.v1 import chat_pb2
 from stormserve.scheduler.v1 import scheduler_pb2
 
-# The spacing `json.dumps` writes (as the worker's json_schema grammars do):
-# free whitespace lets small models wander into endless blank lines.
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 FORCING_MODES = (chat_pb2.TOOL_CHOICE_MODE_REQUIRED, chat_pb2.TOOL_CHOICE_MODE_FUNCTION)
 
 

@@ -12,10 +12,9 @@ import llguidance.hf
 import llguidance.torch
 import torch
 
+from services.common.json_grammar import JSON_OPTIONS
+
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
-# `{"a": 1, "b": 2}` as json.dumps writes it: free whitespace lets small models
-# wander into endless blank lines while staying "valid".
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 @dataclass(frozen=True)

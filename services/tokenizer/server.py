@@ -52,10 +52,6 @@ def _reject_unsupported(request: chat_pb2.ChatRequest) -> None:
     """Fields the contract carries but this release does not implement yet: a clear
     error beats silently ignoring them."""
     unsupported = []
-    if request.HasField("n") and request.n != 1:
-        unsupported.append("n > 1")
-    if request.HasField("best_of") and request.best_of != 1:
-        unsupported.append("best_of > 1")
     if request.use_beam_search:
         unsupported.append("use_beam_search")
     if unsupported:
@@ -79,10 +75,25 @@ def _generate_request(request: chat_pb2.ChatRequest, request_id: str, prompt: li
     )
     if request.HasField("max_tokens"):
         stopping.max_tokens = request.max_tokens
-    return scheduler_pb2.GenerateRequest(
+    generate = scheduler_pb2.GenerateRequest(
         request_id=request_id, prompt_token_ids=prompt, sampling=sampling, stopping=stopping,
         arrival_time_us=arrival_us,
     )
+    for name in ("n", "best_of"):
+        if request.HasField(name):
+            setattr(generate, name, getattr(request, name))
+    return generate
+
+
+def _usage_chunk(outputs: list[ChoiceOutput]) -> chat_pb2.ChatChunk | None:
+    """The usage-only chunk (include_usage) for the whole request: completion
+    tokens summed over the choices."""
+    chunk = outputs[0].usage_chunk()
+    if chunk is None or len(outputs) == 1:
+        return chunk
+    chunk.usage.completion_tokens = sum(o.completion_tokens for o in outputs)
+    chunk.usage.total_tokens = chunk.usage.prompt_tokens + chunk.usage.completion_tokens
+    return chunk
 
 
 class ChatServicer(chat_pb2_grpc.ChatServiceServicer):
@@ -109,28 +120,44 @@ class ChatServicer(chat_pb2_grpc.ChatServiceServicer):
         # A forced tool call, else response_format (the two together are refused).
         grammar = tool_choice_grammar(request, options, self.core.formats) or response_format_grammar(
             request.response_format)
-        output = ChoiceOutput(self.core.tokenizer, request, request_id, arrival_us // 1_000_000,
-                              len(prompt.token_ids), full_text_enabled=self.core.config.full_text_enabled,
-                              options=options)
+        num_choices = request.n if request.HasField("n") else 1
+        outputs = [
+            ChoiceOutput(self.core.tokenizer, request, request_id, arrival_us // 1_000_000,
+                         len(prompt.token_ids), index=index,
+                         full_text_enabled=self.core.config.full_text_enabled, options=options)
+            for index in range(num_choices)
+        ]
+        # With best_of > n the scheduler sends each chosen choice whole at the end.
+        streams_choices = not request.HasField("best_of") or request.best_of == num_choices
         call = self.scheduler.Generate(
             _generate_request(request, request_id, prompt.token_ids, arrival_us, grammar))
         has_sent = False
         try:
             async for response in call:
+                output = outputs[response.index]
+                if output.is_finished:
+                    continue  # the scheduler confirming a choice we already ended
                 chunk = output.on_response(response)
                 if chunk is not None:
                     has_sent = True
                     yield chat_pb2.ChatResponse(chunk=chunk)
-                if output.is_finished:
-                    if (usage := output.usage_chunk()) is not None:
+                if all(o.is_finished for o in outputs):
+                    if (usage := _usage_chunk(outputs)) is not None:
                         yield chat_pb2.ChatResponse(chunk=usage)
                     return
+                if output.stopped_by_string and streams_choices:
+                    # One choice hit a stop string while others go on: end just that one.
+                    await self.scheduler.Abort(
+                        scheduler_pb2.AbortRequest(request_id=request_id, index=response.index))
             raise ServiceError(grpc.StatusCode.INTERNAL, "the scheduler ended the stream without finishing")
         except grpc.aio.AioRpcError as exc:
             if not has_sent:
                 raise ServiceError(exc.code(), exc.details() or exc.code().name) from exc
             code = CODE_TIMEOUT if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED else CODE_GENERATION_FAILED
-            yield chat_pb2.ChatResponse(chunk=output.error_chunk(code, exc.details() or exc.code().name))
+            for output in outputs:
+                if not output.is_finished:
+                    yield chat_pb2.ChatResponse(
+                        chunk=output.error_chunk(code, exc.details() or exc.code().name))
         finally:
             # Ends the sequence in the scheduler on a stop string or when our caller went away.
             call.cancel()

@@ -269,3 +269,28 @@ def test_unenforceable_schema_is_422(base_url):
         "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}}}
     response = httpx.post(base_url + "/v1/chat/completions", json=body, timeout=60)
     assert response.status_code == 422, response.text
+
+
+def test_n_choices_non_stream_and_stream(openai_client):
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Name a fruit."}], max_tokens=12,
+                  temperature=1.0, seed=11, n=2)
+    reply = openai_client.chat.completions.create(**kwargs)
+    assert sorted(c.index for c in reply.choices) == [0, 1]
+    assert all(c.message.content and c.finish_reason in ("stop", "length") for c in reply.choices)
+    assert reply.usage.completion_tokens > 0
+    texts: dict[int, str] = {0: "", 1: ""}
+    finishes = {}
+    for chunk in openai_client.chat.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finishes[choice.index] = choice.finish_reason
+    assert set(finishes) == {0, 1} and all(texts.values())
+
+
+def test_best_of_returns_n_choices(openai_client):
+    reply = openai_client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Name a color."}], max_tokens=8, temperature=1.0,
+        seed=5, n=1, extra_body={"best_of": 3})
+    assert [c.index for c in reply.choices] == [0]
+    assert reply.choices[0].message.content

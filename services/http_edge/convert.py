@@ -92,6 +92,8 @@ def to_chat_request(
     elif choice is not None:
         message.tool_choice.mode = chat_pb2.TOOL_CHOICE_MODE_FUNCTION
         message.tool_choice.function_name = choice.function.name
+    if request.continue_final_message:
+        message.messages[-1].prefix = True  # one mechanism for both spellings
     if request.chat_template_kwargs is not None:
         message.chat_template_kwargs.CopyFrom(to_struct(request.chat_template_kwargs))
     if request.response_format is not None:

@@ -238,6 +238,8 @@ class ChatCompletionRequest(StrictModel):
     use_beam_search: bool | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, in_range(0, MAX_TOP_LOGPROBS)] | None = None
+    # vLLM's spelling of DeepSeek's assistant `prefix: true`: continue the last message.
+    continue_final_message: bool | None = None
 
     @field_validator("stop")
     @classmethod
@@ -286,6 +288,8 @@ class ChatCompletionRequest(StrictModel):
             raise request_rule(f"messages must be at most {MAX_MESSAGES_CHARS} characters")
         if self.logprobs is False and self.top_logprobs is not None:
             raise request_rule("top_logprobs needs logprobs to be true")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise request_rule("continue_final_message needs the last message to be an assistant message")
         self._check_choices()
         return self
 

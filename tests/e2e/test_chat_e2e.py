@@ -294,3 +294,21 @@ def test_best_of_returns_n_choices(openai_client):
         seed=5, n=1, extra_body={"best_of": 3})
     assert [c.index for c in reply.choices] == [0]
     assert reply.choices[0].message.content
+
+
+@pytest.mark.parametrize("spelling", ["prefix", "continue_final_message"])
+def test_assistant_prefix_is_continued(base_url, spelling):
+    messages = [{"role": "user", "content": "What is the capital of France?"},
+                {"role": "assistant", "content": "The capital of France is"}]
+    body = {"model": MODEL, "messages": messages, "temperature": 0, "max_tokens": 5}
+    if spelling == "prefix":
+        messages[-1]["prefix"] = True
+    else:
+        body["continue_final_message"] = True
+    reply = httpx.post(base_url + "/v1/chat/completions", json=body, timeout=60).json()
+    assert reply["choices"][0]["message"]["content"].strip().startswith("Paris")
+
+
+def test_continue_final_message_needs_an_assistant_message(base_url):
+    body = {"model": MODEL, "messages": QUESTION, "continue_final_message": True}
+    assert httpx.post(base_url + "/v1/chat/completions", json=body, timeout=60).status_code == 422

@@ -1,6 +1,9 @@
 """Starts the real chain (four processes, the real bundled model) on free ports."""
 from __future__ import annotations
 
+import contextlib
+import time
+
 import grpc
 import pytest
 
@@ -16,18 +19,43 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.e2e)
 
 
-@pytest.fixture(scope="session")
-def chain(tmp_path_factory):
-    log_dir = tmp_path_factory.mktemp("chain-logs")
+@contextlib.contextmanager
+def running_chain(log_dir, num_workers: int = 1, env: dict[str, str] | None = None):
+    """The chain on free ports, yielded as (chain, scheduler stub) once /health
+    answers and every worker is ready; stopped afterwards."""
     chain = Chain(edge_port=free_port(), tokenizer_port=free_port(), scheduler_port=free_port(),
-                  worker_ports=[free_port()], log_dir=log_dir)
+                  worker_ports=[free_port() for _ in range(num_workers)], env=env or {}, log_dir=log_dir)
     chain.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{chain.scheduler_port}")
     try:
         chain.wait_ready(timeout_s=600)
-        yield chain
+        stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
+        deadline = time.monotonic() + 600
+        # /health is up with one worker; some tests need every one of them.
+        while load_reader(stub)().num_workers_ready < num_workers:
+            assert time.monotonic() < deadline, "workers did not all become ready"
+            time.sleep(0.5)
+        yield chain, stub
     finally:
         chain.stop()
+        channel.close()
         print(f"chain logs: {log_dir}")
+
+
+def load_reader(stub):
+    """Reads the scheduler's occupancy straight from its gRPC API."""
+    return lambda: stub.GetLoad(scheduler_pb2.GetLoadRequest(), timeout=5)
+
+
+@pytest.fixture(scope="session")
+def chain_and_stub(tmp_path_factory):
+    with running_chain(tmp_path_factory.mktemp("chain-logs")) as running:
+        yield running
+
+
+@pytest.fixture(scope="session")
+def chain(chain_and_stub):
+    return chain_and_stub[0]
 
 
 @pytest.fixture(scope="session")
@@ -43,9 +71,5 @@ def openai_client(base_url):
 
 
 @pytest.fixture(scope="session")
-def scheduler_load(chain):
-    """Reads the scheduler's occupancy straight from its gRPC API."""
-    channel = grpc.insecure_channel(f"127.0.0.1:{chain.scheduler_port}")
-    stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
-    yield lambda: stub.GetLoad(scheduler_pb2.GetLoadRequest(), timeout=5)
-    channel.close()
+def scheduler_load(chain_and_stub):
+    return load_reader(chain_and_stub[1])

@@ -8,13 +8,10 @@ import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import grpc
 import httpx
 import pytest
 
-from services.common.supervisor import Chain, free_port
-from stormserve.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
-from tests.e2e.conftest import MODEL
+from tests.e2e.conftest import MODEL, load_reader, running_chain
 from tests.e2e.test_chat_e2e import QUESTION, parse_sse
 
 # The default chain is shared with test_chat_e2e, which expects its prompts to
@@ -68,30 +65,24 @@ def test_openai_client_with_include_usage(openai_client):
 
 
 @pytest.fixture(scope="module")
-def configured(tmp_path_factory):
-    log_dir = tmp_path_factory.mktemp("configured-chain-logs")
-    chain = Chain(edge_port=free_port(), tokenizer_port=free_port(), scheduler_port=free_port(),
-                  worker_ports=[free_port()], log_dir=log_dir,
-                  env={"STORMSERVE_REQUEST_TIMEOUT_S": "2", "STORMSERVE_FULL_TEXT_ENABLED": "true",
-                       "STORMSERVE_API_KEYS": ",".join(KEYS)})
-    chain.start()
-    try:
-        chain.wait_ready(timeout_s=600)
+def configured_chain_and_stub(tmp_path_factory):
+    env = {"STORMSERVE_REQUEST_TIMEOUT_S": "2", "STORMSERVE_FULL_TEXT_ENABLED": "true",
+           "STORMSERVE_API_KEYS": ",".join(KEYS)}
+    with running_chain(tmp_path_factory.mktemp("configured-chain-logs"), env=env) as (chain, stub):
         # Warm-up: the first forward pass is slow, and this chain gives each request 2 s.
         httpx.post(chain.url + "/v1/chat/completions", headers=AUTH, timeout=60,
                    json={"model": MODEL, "messages": QUESTION, "max_tokens": 2})
-        yield chain
-    finally:
-        chain.stop()
-        print(f"configured chain logs: {log_dir}")
+        yield chain, stub
 
 
 @pytest.fixture(scope="module")
-def configured_load(configured):
-    channel = grpc.insecure_channel(f"127.0.0.1:{configured.scheduler_port}")
-    stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
-    yield lambda: stub.GetLoad(scheduler_pb2.GetLoadRequest(), timeout=5)
-    channel.close()
+def configured(configured_chain_and_stub):
+    return configured_chain_and_stub[0]
+
+
+@pytest.fixture(scope="module")
+def configured_load(configured_chain_and_stub):
+    return load_reader(configured_chain_and_stub[1])
 
 
 def wait_until_idle(load, timeout_s: float = 5.0):

@@ -2,15 +2,11 @@
 prefix caching), and a tiny KV pool that forces preemption."""
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 
-import grpc
 import pytest
 
-from services.common.supervisor import Chain, free_port
-from stormserve.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
-from tests.e2e.conftest import MODEL
+from tests.e2e.conftest import MODEL, load_reader, running_chain
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -20,32 +16,10 @@ QUESTIONS = [
 ]
 
 
-def start_chain(log_dir, num_workers: int, env: dict[str, str]):
-    chain = Chain(edge_port=free_port(), tokenizer_port=free_port(), scheduler_port=free_port(),
-                  worker_ports=[free_port() for _ in range(num_workers)], env=env, log_dir=log_dir)
-    chain.start()
-    channel = grpc.insecure_channel(f"127.0.0.1:{chain.scheduler_port}")
-    stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
-    try:
-        chain.wait_ready(timeout_s=600)
-        deadline = time.monotonic() + 600
-        # /health is up with one worker; these tests need every one of them.
-        while stub.GetLoad(scheduler_pb2.GetLoadRequest(), timeout=5).num_workers_ready < num_workers:
-            assert time.monotonic() < deadline, "workers did not all become ready"
-            time.sleep(0.5)
-    except BaseException:
-        chain.stop()
-        channel.close()
-        raise
-    return chain, channel, lambda: stub.GetLoad(scheduler_pb2.GetLoadRequest(), timeout=5)
-
-
 @pytest.fixture(scope="module")
 def two_workers(tmp_path_factory):
-    chain, channel, get_load = start_chain(tmp_path_factory.mktemp("two-workers"), 2, {})
-    yield chain, get_load
-    chain.stop()
-    channel.close()
+    with running_chain(tmp_path_factory.mktemp("two-workers"), num_workers=2) as (chain, stub):
+        yield chain, load_reader(stub)
 
 
 @pytest.fixture(scope="module")
@@ -53,10 +27,8 @@ def tiny_kv(tmp_path_factory):
     # float32 for exact greedy text; 6 MiB = 8 blocks of 16 tokens (SmolLM2-135M in
     # float32 needs ~0.7 MiB per block): a single request fits, four at once do not.
     env = {"STORMSERVE_KV_CACHE_MIB": "6", "STORMSERVE_DTYPE": "float32"}
-    chain, channel, get_load = start_chain(tmp_path_factory.mktemp("tiny-kv"), 1, env)
-    yield chain, get_load
-    chain.stop()
-    channel.close()
+    with running_chain(tmp_path_factory.mktemp("tiny-kv"), env=env) as (chain, stub):
+        yield chain, load_reader(stub)
 
 
 def client_for(chain):

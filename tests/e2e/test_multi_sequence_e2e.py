@@ -9,8 +9,8 @@ import grpc
 import pytest
 
 from services.scheduler.choices import sibling_seed
-from stormserve.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
-from tests.e2e.test_engine_e2e import start_chain
+from stormserve.scheduler.v1 import scheduler_pb2
+from tests.e2e.conftest import load_reader, running_chain
 
 # Over 16 tokens (one KV block): siblings share its first full block.
 PROMPT = list(range(1000, 1020))
@@ -72,10 +72,8 @@ def wait_idle(get_load) -> scheduler_pb2.WorkerLoad:
 
 
 @pytest.fixture(scope="module")
-def stub(chain):
-    channel = grpc.insecure_channel(f"127.0.0.1:{chain.scheduler_port}")
-    yield scheduler_pb2_grpc.SchedulerServiceStub(channel)
-    channel.close()
+def stub(chain_and_stub):
+    return chain_and_stub[1]
 
 
 def test_n_choices_stream_interleaved_and_share_the_prompt(stub, scheduler_load):
@@ -142,10 +140,8 @@ def tiny_kv_stub(tmp_path_factory):
     # float32 for exact text; as test_engine_e2e's tiny pool: 8 blocks of 16 tokens,
     # where four siblings of 20 + 40 tokens do not fit at once.
     env = {"STORMSERVE_KV_CACHE_MIB": "6", "STORMSERVE_DTYPE": "float32"}
-    chain, channel, get_load = start_chain(tmp_path_factory.mktemp("tiny-kv-siblings"), 1, env)
-    yield scheduler_pb2_grpc.SchedulerServiceStub(channel), get_load
-    chain.stop()
-    channel.close()
+    with running_chain(tmp_path_factory.mktemp("tiny-kv-siblings"), env=env) as (_, stub):
+        yield stub, load_reader(stub)
 
 
 def test_seeded_choices_are_reproducible_and_best_of_picks_the_best(tiny_kv_stub):

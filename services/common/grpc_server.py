@@ -68,9 +68,6 @@ class GrpcService:
         await self.health.enter_graceful_shutdown()
         await self.server.stop(self.grace_s)
 
-    def request_stop(self) -> None:
-        self._stop.set()
-
 
 def channel(address: str) -> grpc.aio.Channel:
     """A client channel with the same message limits as the servers."""

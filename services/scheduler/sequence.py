@@ -114,8 +114,3 @@ class Sequence:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
-
-    def tokens_to_feed(self) -> list[int]:
-        """Tokens whose KV is not computed yet: the prompt first, then the last sample
-        (after a preemption: the prompt and every output so far)."""
-        return self.all_token_ids[self.num_computed_tokens :]

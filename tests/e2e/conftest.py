@@ -54,6 +54,15 @@ def chain_and_stub(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_kv_chain_and_stub(tmp_path_factory):
+    """float32 for exact text; 6 MiB = 8 KV blocks of 16 tokens (SmolLM2-135M in
+    float32 needs ~0.7 MiB per block): one request fits, four at once do not."""
+    env = {"STORMSERVE_KV_CACHE_MIB": "6", "STORMSERVE_DTYPE": "float32"}
+    with running_chain(tmp_path_factory.mktemp("tiny-kv"), env=env) as running:
+        yield running
+
+
+@pytest.fixture(scope="session")
 def chain(chain_and_stub):
     return chain_and_stub[0]
 

@@ -23,12 +23,9 @@ def two_workers(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def tiny_kv(tmp_path_factory):
-    # float32 for exact greedy text; 6 MiB = 8 blocks of 16 tokens (SmolLM2-135M in
-    # float32 needs ~0.7 MiB per block): a single request fits, four at once do not.
-    env = {"STORMSERVE_KV_CACHE_MIB": "6", "STORMSERVE_DTYPE": "float32"}
-    with running_chain(tmp_path_factory.mktemp("tiny-kv"), env=env) as (chain, stub):
-        yield chain, load_reader(stub)
+def tiny_kv(tiny_kv_chain_and_stub):
+    chain, stub = tiny_kv_chain_and_stub
+    return chain, load_reader(stub)
 
 
 def client_for(chain):

@@ -10,7 +10,7 @@ import pytest
 
 from services.scheduler.choices import sibling_seed
 from stormserve.scheduler.v1 import scheduler_pb2
-from tests.e2e.conftest import load_reader, running_chain
+from tests.e2e.conftest import load_reader
 
 # Over 16 tokens (one KV block): siblings share its first full block.
 PROMPT = list(range(1000, 1020))
@@ -136,12 +136,10 @@ def test_cancel_and_abort_free_every_sibling(stub, scheduler_load):
 
 
 @pytest.fixture(scope="module")
-def tiny_kv_stub(tmp_path_factory):
-    # float32 for exact text; as test_engine_e2e's tiny pool: 8 blocks of 16 tokens,
-    # where four siblings of 20 + 40 tokens do not fit at once.
-    env = {"STORMSERVE_KV_CACHE_MIB": "6", "STORMSERVE_DTYPE": "float32"}
-    with running_chain(tmp_path_factory.mktemp("tiny-kv-siblings"), env=env) as (_, stub):
-        yield stub, load_reader(stub)
+def tiny_kv_stub(tiny_kv_chain_and_stub):
+    # The shared tiny pool: four siblings of 20 + 40 tokens do not fit at once.
+    stub = tiny_kv_chain_and_stub[1]
+    return stub, load_reader(stub)
 
 
 def test_seeded_choices_are_reproducible_and_best_of_picks_the_best(tiny_kv_stub):

@@ -8,7 +8,9 @@ lengths — is a `PagedStep`, built once per step and handed to every layer
 through the forward kwarg `paged_step` (transformers passes unknown forward
 kwargs down to the attention function).
 
-Per layer the function writes the new K/V into the pool by slot, then:
+`paged_attention` is the one implementation; the HF entry point and the lean
+Llama-family path (decoder.py) both call it. Per layer it writes the new K/V
+into the pool by slot, then:
 - all decode tokens (one new token per sequence) attend in ONE batched SDPA
   call, over K/V gathered through their block tables and padded to the longest
   context with a mask;
@@ -150,20 +152,33 @@ def paged_attention_forward(
         raise NotImplementedError(f"{ATTENTION_NAME}: logit softcapping / attention sinks are not supported")
     if query.shape[0] != 1:
         raise ValueError(f"{ATTENTION_NAME} expects one packed row, got batch {query.shape[0]}")
-    step = paged_step
-    layer = module.layer_idx
+    out = paged_attention(
+        query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+        module.layer_idx, paged_step, scaling, sliding_window,
+    )
+    return out[None], None
+
+
+def paged_attention(
+    query: torch.Tensor,  # [T, heads, head_dim]
+    key: torch.Tensor,  # [T, kv_heads, head_dim]
+    value: torch.Tensor,
+    layer: int,
+    step: PagedStep,
+    scaling: float | None,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """Write the step's new K/V into layer `layer` of the pool, attend; returns [T, heads, head_dim]."""
     key_cache = step.pool.key_cache[layer]  # [num_slots, kv_heads, head_dim]
     value_cache = step.pool.value_cache[layer]
-    new_keys = key[0].transpose(0, 1)  # [T, kv_heads, head_dim]
-    new_values = value[0].transpose(0, 1)
-    key_cache.index_copy_(0, step.slot_mapping, new_keys)
-    value_cache.index_copy_(0, step.slot_mapping, new_values)
+    key_cache.index_copy_(0, step.slot_mapping, key)
+    value_cache.index_copy_(0, step.slot_mapping, value)
 
     gqa = query.shape[1] != key.shape[1]
-    out = query.new_empty((step.num_tokens, query.shape[1], query.shape[3]))  # [T, heads, dim]
+    out = query.new_empty(query.shape)
     if step.decode is not None:
         d = step.decode
-        q = query[0].index_select(1, d.rows).transpose(0, 1)[:, :, None, :]  # [B, heads, 1, dim]
+        q = query.index_select(0, d.rows)[:, :, None, :]  # [B, heads, 1, dim]
         k = _gather(key_cache, d.context_slots).permute(0, 2, 1, 3)  # [B, kv_heads, L, dim]
         v = _gather(value_cache, d.context_slots).permute(0, 2, 1, 3)
         mask = d.mask
@@ -172,9 +187,10 @@ def paged_attention_forward(
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)
         out.index_copy_(0, d.rows, o[:, :, 0, :])
     for chunk in step.prefills:
-        q = query[:, :, chunk.start : chunk.end]
+        q = query[chunk.start : chunk.end].transpose(0, 1)[None]  # [1, heads, n, dim]
         if chunk.context_slots is None:
-            k, v = key[:, :, chunk.start : chunk.end], value[:, :, chunk.start : chunk.end]
+            k = key[chunk.start : chunk.end].transpose(0, 1)[None]
+            v = value[chunk.start : chunk.end].transpose(0, 1)[None]
         else:
             k = _gather(key_cache, chunk.context_slots).permute(1, 0, 2)[None]
             v = _gather(value_cache, chunk.context_slots).permute(1, 0, 2)[None]
@@ -183,7 +199,7 @@ def paged_attention_forward(
             q, k, v, attn_mask=mask, is_causal=mask is None, scale=scaling, enable_gqa=gqa
         )
         out[chunk.start : chunk.end] = o[0].transpose(0, 1)
-    return out[None], None
+    return out
 
 
 def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

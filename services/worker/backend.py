@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import importlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
@@ -20,6 +22,14 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "float32": torch.float32,
 }
+
+
+# x [..., in] -> [..., out]
+Linear = Callable[[torch.Tensor], torch.Tensor]
+
+# The batch size oneDNN lays packed weights out for; measured on a 2-core AVX-512
+# machine, packing for 32 rows serves 1 to 256 rows about as well as an exact hint.
+_PACKING_ROWS = 32
 
 
 def _npu_available() -> bool:
@@ -45,6 +55,19 @@ class Backend:
             torch.cuda.synchronize(self.device)
         elif self.name == "npu":
             torch.npu.synchronize(self.device)  # type: ignore[attr-defined]
+
+    def linear(self, weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+        """y = x @ weight.T + bias, prepared once for this device.
+
+        On CPU in bfloat16 the weight is prepacked for oneDNN (AMX where the CPU has
+        it): plain bfloat16 matmuls run 1.5 to 2 times slower at decode batch sizes.
+        """
+        weight = weight.detach()
+        bias = None if bias is None else bias.detach()
+        if self.name == "cpu" and weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACKING_ROWS)
+            return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        return lambda x: F.linear(x, weight, bias)
 
     def set_num_threads(self, num_threads: int) -> None:
         if num_threads > 0:

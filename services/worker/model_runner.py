@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,6 +25,7 @@ from transformers.utils import logging as hf_logging
 from services.common.errors import invalid_argument
 from services.worker import attention, sampler
 from services.worker.backend import Backend, torch_dtype
+from services.worker.decoder import LeanDecoder
 from services.worker.guided import GrammarError, GuidedDecoding
 from services.worker.kv_cache import KVCachePool, KVCacheSpec
 from services.worker.penalties import apply_penalties
@@ -81,6 +82,27 @@ class SequenceState:
     num_grammar_tokens: int = 0
 
 
+# input_ids [T] packed as the step lays them out, the step, the rows to return
+# logits for -> logits [rows, vocab].
+Decoder = Callable[[torch.Tensor, attention.PagedStep, torch.Tensor], torch.Tensor]
+
+
+def _hf_decoder(model: torch.nn.Module) -> Decoder:
+    """Any other HF causal LM: its own modules, with paged attention plugged in."""
+
+    def forward(input_ids: torch.Tensor, step: attention.PagedStep, logit_rows: torch.Tensor) -> torch.Tensor:
+        output = model(
+            input_ids=input_ids[None],
+            position_ids=step.positions[None],
+            use_cache=False,
+            logits_to_keep=logit_rows,
+            paged_step=step,
+        )
+        return output.logits[0]
+
+    return forward
+
+
 def _token_ids(value) -> list[int]:
     if value is None:
         return []
@@ -105,29 +127,36 @@ class ModelRunner:
         started = time.monotonic()
         hf_logging.disable_progress_bar()
         # device_map loads weights straight onto the device (no full CPU copy first).
-        self.model = AutoModelForCausalLM.from_pretrained(
+        model = AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=dtype_t, attn_implementation=attention.register(), device_map=str(backend.device)
         ).eval()
-        config = self.model.config.get_text_config()
-        self.vocab_size: int = self.model.get_input_embeddings().num_embeddings
-        self.max_position_embeddings: int = getattr(config, "max_position_embeddings", None) or 0
+        self.config = model.config
+        self.generation_config = model.generation_config
+        self.vocab_size: int = model.get_input_embeddings().num_embeddings
+        self.max_position_embeddings: int = getattr(self.config.get_text_config(), "max_position_embeddings", None) or 0
         with torch.inference_mode():
-            spec = KVCacheSpec.from_model_config(self.model.config, block_size, dtype_t)
+            spec = KVCacheSpec.from_model_config(self.config, block_size, dtype_t)
             self.kv_pool = KVCachePool.from_budget(spec, kv_cache_bytes, backend.device)
+            if LeanDecoder.supports(model):
+                # The HF modules are dropped: the decoder holds every weight it needs.
+                self.decoder: Decoder = LeanDecoder(model, backend)
+            else:
+                self.decoder = _hf_decoder(model)
         self.block_size = block_size
         self.sequences: dict[int, SequenceState] = {}
         self._guided: GuidedDecoding | None = None  # built on the first grammar request
         log.info(
-            "loaded %s (%s, %s) in %.2f s",
-            model_dir.name, type(self.model).__name__, dtype, time.monotonic() - started,
+            "loaded %s (%s, %s, %s path) in %.2f s",
+            model_dir.name, type(model).__name__, dtype,
+            "lean" if isinstance(self.decoder, LeanDecoder) else "HF modules", time.monotonic() - started,
         )
 
     def describe(self) -> ModelDescription:
-        generation = self.model.generation_config
-        eos = _token_ids(generation.eos_token_id) + _token_ids(self.model.config.eos_token_id)
+        generation = self.generation_config
+        eos = _token_ids(generation.eos_token_id) + _token_ids(self.config.eos_token_id)
         return ModelDescription(
             model_path=str(self.model_dir),
-            vocab_size=int(self.model.config.get_text_config().vocab_size),
+            vocab_size=int(self.config.get_text_config().vocab_size),
             eos_token_ids=list(dict.fromkeys(eos)),
             max_position_embeddings=self.max_position_embeddings,
             device=self.backend.name,
@@ -274,7 +303,7 @@ class ModelRunner:
             device,
         )
         flat_ids = [t for s in inputs for t in s.token_ids]
-        input_ids = torch.tensor([flat_ids], dtype=torch.long, device=device)
+        input_ids = torch.tensor(flat_ids, dtype=torch.long, device=device)
         # Logits only for each sampling sequence's last new token: the lm_head over
         # the whole vocab is the costliest matmul of a decode step.
         last_rows, end = [], 0
@@ -282,14 +311,7 @@ class ModelRunner:
             end += len(s.token_ids)
             if s.sample:
                 last_rows.append(end - 1)
-        output = self.model(
-            input_ids=input_ids,
-            position_ids=step.positions[None],
-            use_cache=False,
-            logits_to_keep=torch.tensor(last_rows, dtype=torch.long, device=device),
-            paged_step=step,
-        )
-        return output.logits[0]  # [num sampling sequences, vocab]
+        return self.decoder(input_ids, step, torch.tensor(last_rows, dtype=torch.long, device=device))
 
     def _record_fed_tokens(self, state: SequenceState, s: SequenceInput) -> None:
         # A fed token at a position the worker already sampled is that sample coming back;

@@ -1,21 +1,31 @@
-"""Any HF causal LM runs unchanged: tiny random models of other families
-(sliding-window + full layers with QKV bias; learned absolute positions and
-no GQA) give the same logits paged as with stock HF attention."""
+"""Any HF causal LM runs: tiny random models of several families give the same
+logits paged as with stock HF attention. The Llama family (Llama, Mistral,
+Qwen2, Qwen3) goes through the lean decoder; anything else (GPT-2 here:
+learned absolute positions, no GQA) through its own HF modules."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GPT2Config, Qwen2Config
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from services.worker.backend import select_backend
+from services.worker.decoder import LeanDecoder
 from services.worker.model_runner import ModelRunner
 from services.worker.sequence import SamplingParams
 from tests.unit.worker.block_tables import BlockTables
 
 VOCAB = 256
+SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
 CONFIGS = {
+    "llama-bias-rope-scaling": lambda: LlamaConfig(
+        **SMALL, attention_bias=True,
+        rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+    ),
+    "mistral-sliding": lambda: MistralConfig(**SMALL, sliding_window=5),
+    "qwen3-qk-norm": lambda: Qwen3Config(**SMALL, head_dim=32),
     "qwen2-sliding": lambda: Qwen2Config(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -35,6 +45,8 @@ def test_tiny_model_paged_matches_hf(name: str, tmp_path: Path):
     reference.save_pretrained(tmp_path)
     runner = ModelRunner(tmp_path, select_backend("cpu"), "float32", block_size=4,
                          kv_cache_bytes=2**20, max_batch_size=8)
+
+    assert isinstance(runner.decoder, LeanDecoder) == (name != "gpt2")
 
     tokens = {1: torch.randint(0, VOCAB, (23,)).tolist(), 2: torch.randint(0, VOCAB, (15,)).tolist()}
     with torch.inference_mode():

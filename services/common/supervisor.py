@@ -44,6 +44,7 @@ class Chain:
     env: dict[str, str] = field(default_factory=dict)
     log_dir: Path | None = None  # None: children write to our stdout/stderr
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    _commands: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     @property
     def url(self) -> str:
@@ -62,7 +63,14 @@ class Chain:
         self._spawn("http_edge", "services.http_edge", "--host", self.host, "--port", str(self.edge_port),
                     "--tokenizer-address", f"127.0.0.1:{self.tokenizer_port}")
 
+    def restart(self, name: str) -> None:
+        """Start `name` again with its original arguments (after it died or was stopped)."""
+        if self.procs[name].poll() is None:
+            raise RuntimeError(f"{name} is still running")
+        self._spawn(name, *self._commands[name])
+
     def _spawn(self, name: str, module: str, *args: str) -> None:
+        self._commands[name] = (module, *args)
         env = {**os.environ, **self.env}
         root = Path(__file__).resolve().parents[2]
         env["PYTHONPATH"] = os.pathsep.join([str(root / "gen"), str(root), env.get("PYTHONPATH", "")])

@@ -49,7 +49,10 @@ def load_reader(stub):
 
 @pytest.fixture(scope="session")
 def chain_and_stub(tmp_path_factory):
-    with running_chain(tmp_path_factory.mktemp("chain-logs")) as running:
+    """float32: tests assert exact greedy text, and in bfloat16 a near-tie between the
+    top two logits can flip with batch composition or a prefix-cache hit (a different
+    matmul blocking). The two-worker chain of test_engine_e2e runs the bf16 default."""
+    with running_chain(tmp_path_factory.mktemp("chain-logs"), env={"STORMSERVE_DTYPE": "float32"}) as running:
         yield running
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from tests.e2e.conftest import MODEL
 
-QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+QUESTION = [{"role": "user", "content": "Which city is the capital of France?"}]
 
 
 def parse_sse(body: bytes) -> list[str]:
@@ -298,7 +298,7 @@ def test_best_of_returns_n_choices(openai_client):
 
 @pytest.mark.parametrize("spelling", ["prefix", "continue_final_message"])
 def test_assistant_prefix_is_continued(base_url, spelling):
-    messages = [{"role": "user", "content": "What is the capital of France?"},
+    messages = [{"role": "user", "content": "Which city is the capital of France?"},
                 {"role": "assistant", "content": "The capital of France is"}]
     body = {"model": MODEL, "messages": messages, "temperature": 0, "max_tokens": 5}
     if spelling == "prefix":

@@ -2,6 +2,7 @@
 prefix caching), and a tiny KV pool that forces preemption."""
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -81,3 +82,55 @@ def test_preemption_under_a_tiny_kv_pool_keeps_every_request_and_its_text(tiny_k
     assert after.num_preemptions > before.num_preemptions, "the pool was meant to run out"
     assert [r.choices[0].message.content for r in together] == alone
     assert after.num_free_kv_blocks == after.num_kv_blocks and after.num_running == 0
+
+
+def test_a_dead_worker_fails_only_its_requests_and_rejoins_when_restarted(two_workers):
+    # Last in the module: it kills worker1 and brings it back.
+    from openai import APIStatusError
+
+    chain, get_load = two_workers
+    client = client_for(chain)
+    long = {"ignore_eos": True}
+
+    def generate(question: str):
+        try:
+            return ask(client, [{"role": "user", "content": question}], max_tokens=300, **long)
+        except APIStatusError as exc:
+            return exc
+
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(generate, f"Tell a long story number {i}.") for i in range(2)]
+        # Both requests placed (the least loaded worker takes each), then kill one worker.
+        deadline = time.monotonic() + 120
+        while not all(w.num_running == 1 for w in get_load().workers):
+            assert time.monotonic() < deadline, get_load()
+            time.sleep(0.2)
+        chain.procs["worker1"].kill()
+        outcomes = [f.result(timeout=600) for f in futures]
+
+    failed = [o for o in outcomes if isinstance(o, APIStatusError)]
+    assert len(failed) == 1, outcomes
+    # Tokens had been generated when the worker died: a generation error, naming the cause.
+    assert failed[0].status_code == 500 and "worker lost" in failed[0].response.text, failed[0].response.text
+    assert sum(o.usage.completion_tokens == 300 for o in outcomes if o not in failed) == 1
+
+    # The scheduler keeps serving on the live worker.
+    assert ask(client, [{"role": "user", "content": QUESTIONS[0]}]).choices[0].finish_reason in ("stop", "length")
+    assert [w.is_ready for w in get_load().workers] == [True, False]
+
+    chain.procs["worker1"].wait()
+    chain.restart("worker1")
+    deadline = time.monotonic() + 300
+    while get_load().num_workers_ready < 2:
+        assert time.monotonic() < deadline, "worker1 did not rejoin"
+        time.sleep(0.5)
+    before = get_load().workers[1].num_sequences
+    # More at once than the router's prefix-affinity imbalance allows on worker0,
+    # whose cache holds the chat template's first tokens.
+    questions = [f"{q} (again {i})" for i in range(2) for q in QUESTIONS]
+    with ThreadPoolExecutor(len(questions)) as pool:
+        replies = list(pool.map(lambda q: ask(client, [{"role": "user", "content": q}], max_tokens=32), questions))
+    assert all(r.usage.completion_tokens > 0 for r in replies)
+    workers = get_load().workers
+    assert workers[1].num_sequences > before  # it takes work again
+    assert all(w.num_free_kv_blocks == w.num_kv_blocks for w in workers)

@@ -35,6 +35,13 @@ def make_prompts(n: int, input_len: int, seed: int) -> list[str]:
     return [f"Request {i}: " + " ".join(rng.choice(WORDS) for _ in range(words)) for i in range(n)]
 
 
+def level_prompts(n: int, input_len: int, seed: int, level: int) -> tuple[str, list[str]]:
+    """A warm-up prompt and `n` measured ones, different for every level, so that
+    no level (and no measured request) starts on another's prefix cache."""
+    prompts = make_prompts(n + 1, input_len, seed + 1000 * level)
+    return prompts[0], prompts[1:]
+
+
 @dataclass
 class RequestResult:
     ttft_s: float = 0.0
@@ -53,6 +60,7 @@ async def one_request(client: httpx.AsyncClient, args, prompt: str) -> RequestRe
         if args.eos_token_id is not None:  # peers without ignore_eos: suppress EOS by logit_bias
             body["logit_bias"] = {str(args.eos_token_id): -100}
     result = RequestResult()
+    content_chunks = 0
     start = last = time.perf_counter()
     try:
         async with client.stream("POST", "/v1/chat/completions", json=body) as response:
@@ -67,6 +75,7 @@ async def one_request(client: httpx.AsyncClient, args, prompt: str) -> RequestRe
                     result.output_tokens = chunk["usage"]["completion_tokens"]
                 if not any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
                     continue
+                content_chunks += 1
                 now = time.perf_counter()
                 if result.ttft_s == 0.0:
                     result.ttft_s = now - start
@@ -75,6 +84,8 @@ async def one_request(client: httpx.AsyncClient, args, prompt: str) -> RequestRe
                 last = now
     except httpx.HTTPError as exc:
         result.error = repr(exc)
+    # Servers that send no usage chunk (llama-cpp-python): one chunk per token.
+    result.output_tokens = result.output_tokens or content_chunks
     result.e2e_s = time.perf_counter() - start
     return result
 
@@ -99,13 +110,13 @@ class Progress:
               end="" if self.done < self.total else "\n", file=sys.stderr, flush=True)
 
 
-async def run_level(args, prompts: list[str], concurrency: int | None, rate: float | None) -> dict:
+async def run_level(args, warm_up: str, prompts: list[str], concurrency: int | None, rate: float | None) -> dict:
     label = f"concurrency {concurrency}" if concurrency else f"rate {rate}/s"
     progress = Progress(len(prompts), label)
     limits = httpx.Limits(max_connections=max(64, concurrency or 64))
     async with httpx.AsyncClient(base_url=args.base_url, timeout=args.timeout, limits=limits) as client:
         # Warm-up, excluded from the figures.
-        await one_request(client, args, prompts[0])
+        await one_request(client, args, warm_up)
         gate = asyncio.Semaphore(concurrency or len(prompts))
         rng = random.Random(args.seed)
 
@@ -194,13 +205,12 @@ def main() -> None:
     parser.add_argument("--compare", nargs="*", default=[],
                         help="earlier result JSON files to put in the same plot")
     args = parser.parse_args()
+    plan = [(int(c), None) for c in filter(None, args.concurrency.split(","))]
+    plan += [(None, float(r)) for r in filter(None, args.rates.split(","))]
     levels = []
-    for c in filter(None, args.concurrency.split(",")):
-        prompts = make_prompts(args.num_requests, args.input_len, args.seed)
-        levels.append(asyncio.run(run_level(args, prompts, int(c), None)))
-    for r in filter(None, args.rates.split(",")):
-        prompts = make_prompts(args.num_requests, args.input_len, args.seed)
-        levels.append(asyncio.run(run_level(args, prompts, None, float(r))))
+    for index, (concurrency, rate) in enumerate(plan):
+        warm_up, prompts = level_prompts(args.num_requests, args.input_len, args.seed, index)
+        levels.append(asyncio.run(run_level(args, warm_up, prompts, concurrency, rate)))
     print_table(levels)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,7 @@
 """The benchmark's own logic: a fixed dataset, honest percentiles, a plot."""
 from __future__ import annotations
 
-from bench.serve import make_prompts, percentiles, plot
+from bench.serve import level_prompts, make_prompts, percentiles, plot
 
 
 def test_dataset_is_fixed_by_the_seed():
@@ -23,3 +23,11 @@ def test_plot_writes_a_png(tmp_path):
     path = tmp_path / "plot.png"
     plot({"us": [level(1, 10), level(8, 60)], "peer": [level(1, 50), level(8, 45)]}, path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_levels_share_no_prompt():
+    warm_ups, measured = zip(*(level_prompts(8, 100, seed=0, level=i) for i in range(3)))
+    everything = list(warm_ups) + [p for prompts in measured for p in prompts]
+    assert all(len(prompts) == 8 for prompts in measured)
+    assert len(set(everything)) == len(everything)
+    assert level_prompts(8, 100, seed=0, level=1) == level_prompts(8, 100, seed=0, level=1)

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from services.worker.backend import select_backend
+from services.worker.int4 import pack_if_4bit
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -20,3 +21,32 @@ def test_prepared_linear_matches_f_linear(dtype: torch.dtype, rows: int, with_bi
     # bfloat16: both accumulate in float32 and round once; block order may differ.
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(linear(x), F.linear(x, weight, bias), atol=tolerance * 10, rtol=tolerance)
+
+
+def _four_bit_weight(out_features: int, in_features: int) -> torch.Tensor:
+    """What dequantizing a Q4_1 tensor gives: per group of 32, code * scale + min,
+    the group spanning zero as trained weights do. Every group uses codes 0 and 15."""
+    codes = torch.randint(0, 16, (out_features, in_features // 32, 32)).float()
+    codes[..., 0], codes[..., 1] = 0, 15
+    scale = torch.rand(out_features, in_features // 32, 1) * 0.01 + 0.001
+    low = -scale * torch.rand(out_features, in_features // 32, 1) * 15
+    return (codes * scale + low).view(out_features, in_features)
+
+
+def test_exactly_4bit_weights_are_recognised_and_nothing_else():
+    torch.manual_seed(0)
+    assert pack_if_4bit(_four_bit_weight(64, 96).bfloat16()) is not None
+    assert pack_if_4bit(torch.randn(64, 96, dtype=torch.bfloat16)) is None  # a real bf16 weight
+    assert pack_if_4bit(_four_bit_weight(64, 96).bfloat16()[:, :72]) is None  # not whole groups
+
+
+@pytest.mark.parametrize("rows", [1, 8, 9, 40])  # int4 kernel up to 8 rows, oneDNN above
+def test_4bit_weights_give_the_same_products_on_either_kernel(rows: int):
+    torch.manual_seed(rows)
+    weight = _four_bit_weight(96, 128)
+    bias = torch.randn(96)
+    linear = select_backend("cpu").linear(weight.bfloat16(), bias.bfloat16())
+    x = torch.randn(rows, 128)
+    expected = F.linear(x, weight, bias)
+    got = linear(x.bfloat16()).float()
+    torch.testing.assert_close(got, expected, atol=0.05, rtol=0.02)

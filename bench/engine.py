@@ -1,0 +1,136 @@
+"""The engine without the stack: the scheduler's batching policy driving the
+worker's ModelRunner in one process — no HTTP, no gRPC, no detokenizing.
+
+Same dataset, closed-loop levels and figures as bench.serve (it measures what
+the whole chain could deliver at best), so the two tables compare directly:
+
+    python -m bench.engine --concurrency 32 --num-requests 32 --input-len 200 --output-len 128
+
+Steps are built with the scheduler's and the worker's own message converters,
+as the chain builds them, without the wire in between.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+from bench.serve import Progress, level_prompts, percentiles, print_table
+from services.common.model_files import default_model_path, resolve_model
+from services.scheduler.plan import SampledToken, WorkerCapacity
+from services.scheduler.policy import BatchPolicy
+from services.scheduler.sequence import SamplingParams, Sequence, StoppingCriteria
+from services.scheduler.worker_client import _sequence_step
+from services.worker.backend import select_backend
+from services.worker.convert import step_from_proto
+from services.worker.model_runner import ModelRunner
+from stormserve.worker.v1 import worker_pb2
+
+
+def _now_us() -> int:
+    return time.perf_counter_ns() // 1000
+
+
+def run_level(runner: ModelRunner, policy: BatchPolicy, prompts: list[list[int]], concurrency: int,
+              output_len: int, ids: itertools.count) -> dict:
+    """Closed loop: `concurrency` requests in flight, a new one as soon as one ends."""
+    greedy = SamplingParams(temperature=0.0)
+    stopping = StoppingCriteria(max_tokens=output_len, ignore_eos=True)
+    progress = Progress(len(prompts), f"concurrency {concurrency}")
+    pending = list(prompts)
+    first_token_us: dict[int, int] = {}
+    last_token_us: dict[int, int] = {}
+    arrival_us: dict[int, int] = {}
+    ttft, itl, e2e, tokens = [], [], [], 0
+
+    def admit() -> None:
+        seq = Sequence(next(ids), "bench", pending.pop(0), greedy, stopping, _now_us())
+        arrival_us[seq.seq_id] = seq.arrival_us
+        policy.add_group([seq])
+
+    started = _now_us()
+    for _ in range(min(concurrency, len(pending))):
+        admit()
+    while (plan := policy.schedule()) is not None:
+        request = worker_pb2.StepRequest(
+            step_id=plan.step_id, sequences=[_sequence_step(e) for e in plan.scheduled],
+            release_seq_ids=plan.release_seq_ids,
+        )
+        step_started = _now_us()
+        result = runner.step(*step_from_proto(request))
+        sampled = {t.seq_id: SampledToken(t.seq_id, t.token_id, t.logprob) for t in result.tokens}
+        now = _now_us()
+        for seq, _ in policy.postprocess(plan, sampled, step_started, now):
+            tokens += 1
+            if seq.seq_id not in first_token_us:
+                first_token_us[seq.seq_id] = now
+                ttft.append((now - arrival_us[seq.seq_id]) / 1e6)
+            else:
+                itl.append((now - last_token_us[seq.seq_id]) / 1e6)
+            last_token_us[seq.seq_id] = now
+            if seq.is_finished:
+                e2e.append((now - arrival_us[seq.seq_id]) / 1e6)
+                progress.tick()
+                if pending:
+                    admit()
+    elapsed = (_now_us() - started) / 1e6
+    return {
+        "level": f"concurrency {concurrency}", "concurrency": concurrency, "rate": None,
+        "requests": len(prompts), "errors": [], "num_errors": 0, "duration_s": elapsed,
+        "output_tokens": tokens, "output_tok_per_s": tokens / elapsed,
+        "ttft_s": percentiles(ttft), "itl_s": percentiles(itl), "e2e_s": percentiles(e2e),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-path", default="", help="HF directory or .gguf; empty = the bundled model")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--kv-cache-mib", type=int, default=1024)
+    parser.add_argument("--cache-block-size", type=int, default=16)
+    parser.add_argument("--max-batch-size", type=int, default=64)
+    parser.add_argument("--max-prefill-tokens", type=int, default=8192)
+    parser.add_argument("--concurrency", default="32", help="comma list of closed-loop levels")
+    parser.add_argument("--num-requests", type=int, default=32, help="requests per level")
+    parser.add_argument("--input-len", type=int, default=200, help="approximate prompt tokens")
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="bench/results/engine.json")
+    parser.add_argument("--label", default="engine in-process")
+    args = parser.parse_args()
+
+    model_dir = resolve_model(args.model_path or default_model_path())
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    runner = ModelRunner(model_dir, select_backend("cpu"), args.dtype, args.cache_block_size,
+                         args.kv_cache_mib * 2**20, args.max_batch_size)
+    runner.warm_up()
+    info = runner.describe()
+    capacity = WorkerCapacity(info.num_kv_blocks, info.block_size, info.max_batch_size,
+                              frozenset(info.eos_token_ids))
+    ids = itertools.count(1)
+    levels = []
+    for index, c in enumerate(filter(None, args.concurrency.split(","))):
+        # The chat-templated prompts and warm-up request bench.serve sends at this level.
+        warm_up, prompts = level_prompts(args.num_requests, args.input_len, args.seed, index)
+        warm_up, *prompts = [
+            tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                          return_dict=True)["input_ids"]
+            for p in [warm_up, *prompts]
+        ]
+        policy = BatchPolicy(capacity, args.max_batch_size, args.max_prefill_tokens)
+        run_level(runner, policy, [warm_up], 1, args.output_len, ids)
+        levels.append(run_level(runner, policy, prompts, int(c), args.output_len, ids))
+    print_table(levels)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"args": vars(args), "levels": levels}, indent=2))
+    print(f"results: {out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 
 from services.common.config import load_config
@@ -41,7 +42,7 @@ async def serve(config: WorkerConfig, log: logging.Logger) -> None:
     )
     # Listen first (health answers NOT_SERVING while loading), then load off the loop.
     await service.start()
-    servicer.attach(await asyncio.to_thread(load_runner, config))
+    await servicer.load(functools.partial(load_runner, config))
     await service.set_serving(True)
     log.info("serving on port %d", service.port)
     await service.serve_forever()

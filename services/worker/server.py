@@ -1,9 +1,14 @@
 """WorkerService wiring: Describe, and Step run on one dedicated thread so the
-asyncio loop (health checks, other calls) never waits on the model."""
+asyncio loop (health checks, other calls) never waits on the model.
+
+Loading and warm-up run on that same thread: every thread that runs torch ops
+gets its own OpenMP team, and with a second team around (one thread loads, the
+other steps) decode steps measured 20 to 40 % slower on a 2-core machine."""
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -26,6 +31,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self._description: worker_pb2.DescribeResponse | None = None
         if runner is not None:
             self.attach(runner)
+
+    async def load(self, loader: Callable[[], ModelRunner]) -> None:
+        """Run `loader` (load, warm up) on the step thread, then serve its runner."""
+        self.attach(await asyncio.get_running_loop().run_in_executor(self._executor, loader))
 
     def attach(self, runner: ModelRunner) -> None:
         self._runner = runner

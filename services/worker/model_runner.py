@@ -12,6 +12,7 @@ Not thread-safe by design: the server calls `step` from one worker thread.
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -103,6 +104,16 @@ def _hf_decoder(model: torch.nn.Module) -> Decoder:
     return forward
 
 
+def _return_freed_memory() -> None:
+    """Hand the heap freed by loading (float32 checkpoint tensors, the HF modules the
+    lean path dropped) back to the OS: about 300 MB of resident memory on the bundled
+    model, which glibc would otherwise keep."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 def _token_ids(value) -> list[int]:
     if value is None:
         return []
@@ -130,6 +141,7 @@ class ModelRunner:
         model = AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=dtype_t, attn_implementation=attention.register(), device_map=str(backend.device)
         ).eval()
+        architecture = type(model).__name__
         self.config = model.config
         self.generation_config = model.generation_config
         self.vocab_size: int = model.get_input_embeddings().num_embeddings
@@ -147,9 +159,11 @@ class ModelRunner:
         self._guided: GuidedDecoding | None = None  # built on the first grammar request
         log.info(
             "loaded %s (%s, %s, %s path) in %.2f s",
-            model_dir.name, type(model).__name__, dtype,
+            model_dir.name, architecture, dtype,
             "lean" if isinstance(self.decoder, LeanDecoder) else "HF modules", time.monotonic() - started,
         )
+        del model  # the decoder holds what it needs
+        _return_freed_memory()
 
     def describe(self) -> ModelDescription:
         generation = self.generation_config

@@ -5,8 +5,11 @@ match each function's `parameters` schema (embedded with `%json`). The output
 then always parses as tool calls, whatever the model would have written.
 
 Formats with a grammar: hermes (Qwen2.5/Qwen3 and the default), DeepSeek V3/R1
-and V3.1. ChatGLM3 writes Python keyword arguments, which a JSON schema cannot
-describe, so it is refused.
+and V3.1, and ChatGLM3. ChatGLM3 writes one call as Python keyword arguments,
+`tool_call(key=value, ...)`: each value is a JSON value from the property's
+schema (JSON strings, numbers, arrays and objects are Python literals too),
+except booleans and null, written `True`/`False`/`None`. A schema that nests a
+boolean or null inside an array or object has no such grammar and is refused.
 """
 from __future__ import annotations
 
@@ -55,28 +58,78 @@ class _Writer:
         return f"<[{self._ids[text]}]>" if text in self._ids else _lit(text)
 
 
-def _hermes_call(w: _Writer, name: str, schema: str) -> str:
+def _hermes_call(w: _Writer, name: str, schema: dict[str, Any]) -> str:
     # The key order the hermes parser streams from: name first, then arguments.
     head = _lit('\n{"name": ' + json.dumps(name, ensure_ascii=False) + ', "arguments": ')
-    return f'{w.marker(hermes.START)} {head} %json {schema} {_lit("}")} "\\n" {w.marker(hermes.END)}'
+    return f'{w.marker(hermes.START)} {head} %json {json.dumps(schema)} {_lit("}")} "\\n" {w.marker(hermes.END)}'
 
 
-def _deepseek_v3_call(w: _Writer, name: str, schema: str) -> str:
+def _deepseek_v3_call(w: _Writer, name: str, schema: dict[str, Any]) -> str:
     return (f'{w.marker(deepseek.CALL_BEGIN)} "function" {w.marker(deepseek.SEP)} '
-            f'{_lit(name + chr(10) + "```json" + chr(10))} %json {schema} {_lit(chr(10) + "```")} '
+            f'{_lit(name + chr(10) + "```json" + chr(10))} %json {json.dumps(schema)} {_lit(chr(10) + "```")} '
             f'{w.marker(deepseek.CALL_END)}')
 
 
-def _deepseek_v31_call(w: _Writer, name: str, schema: str) -> str:
-    return (f'{w.marker(deepseek.CALL_BEGIN)} {_lit(name)} {w.marker(deepseek.SEP)} %json {schema} '
+def _deepseek_v31_call(w: _Writer, name: str, schema: dict[str, Any]) -> str:
+    return (f'{w.marker(deepseek.CALL_BEGIN)} {_lit(name)} {w.marker(deepseek.SEP)} %json {json.dumps(schema)} '
             f'{w.marker(deepseek.CALL_END)}')
 
 
-# format -> (one call, what goes between calls, what wraps all of them)
+_PYTHON_ONLY = {"boolean": '("True" | "False")', "null": '"None"'}
+
+
+def _python_value(name: str, schema: dict[str, Any]) -> str:
+    """A Python literal for one keyword argument of a ChatGLM3 call."""
+    kind = schema.get("type")
+    kind = kind[0] if isinstance(kind, list) and len(kind) == 1 else kind
+    if isinstance(kind, str) and kind in _PYTHON_ONLY:
+        return _PYTHON_ONLY[kind]
+    if _mentions_bool_or_null(schema):
+        raise invalid_argument(f"tools cannot be enforced for the chatglm3 format: argument {name!r} "
+                               "nests a boolean or null, which Python writes differently from JSON")
+    return f"%json {json.dumps({**schema, 'x-guidance': JSON_OPTIONS})}"
+
+
+def _mentions_bool_or_null(value: Any) -> bool:
+    if isinstance(value, dict):
+        kinds = value.get("type")
+        kinds = kinds if isinstance(kinds, list) else [kinds]
+        literals = value.get("enum", []) + ([value["const"]] if "const" in value else [])
+        if {"boolean", "null"} & set(kinds) or any(v is None or isinstance(v, bool) for v in literals):
+            return True
+        return any(_mentions_bool_or_null(v) for k, v in value.items() if k not in ("enum", "const"))
+    if isinstance(value, list):
+        return any(_mentions_bool_or_null(v) for v in value)
+    return False
+
+
+def _chatglm3_call(w: _Writer, name: str, schema: dict[str, Any]) -> str:
+    """`NAME` line, then a python fence holding `tool_call(k=v, ...)`: the required
+    arguments in schema order, then any of the optional ones, in schema order."""
+    properties = schema.get("properties") or {}
+    required = [k for k in properties if k in set(schema.get("required") or [])]
+    optional = [k for k in properties if k not in required]
+    pair = {k: f"{_lit(k + '=')} {_python_value(k, properties[k])}" for k in properties}
+    comma = _lit(", ")
+    if required:
+        arguments = f" {comma} ".join(pair[k] for k in required)
+        arguments += "".join(f" ({comma} {pair[k]})?" for k in optional)
+    elif optional:
+        # The first argument written has no comma before it.
+        firsts = [pair[k] + "".join(f" ({comma} {pair[o]})?" for o in optional[i + 1:])
+                  for i, k in enumerate(optional)]
+        arguments = f"({' | '.join(f'({f})' for f in firsts)})?"
+    else:
+        arguments = ""
+    return f'{_lit(name + chr(10) + "```python" + chr(10) + "tool_call(")} {arguments} {_lit(")" + chr(10) + "```")}'
+
+
+# format -> (one call, what goes between calls (None: one call per reply), what wraps all of them)
 _FORMATS = {
     "hermes": (_hermes_call, '"\\n"', None),
     "deepseek_v3": (_deepseek_v3_call, '"\\n"', (deepseek.CALLS_BEGIN, deepseek.CALLS_END)),
     "deepseek_v31": (_deepseek_v31_call, "", (deepseek.CALLS_BEGIN, deepseek.CALLS_END)),
+    "chatglm3": (_chatglm3_call, None, None),
 }
 _FORMATS["qwen2_5"] = _FORMATS["qwen3"] = _FORMATS["hermes"]
 
@@ -91,9 +144,8 @@ def tool_choice_lark(tools: list[chat_pb2.Tool], tool_format: str, formats: Mode
     w = _Writer(formats)
     rules = [f"call: {' | '.join(f'call_{i}' for i in range(len(tools)))}"]
     for i, tool in enumerate(tools):
-        schema = json.dumps(arguments_schema(tool.function))
-        rules.append(f"call_{i}: {write_call(w, tool.function.name, schema)}")
-    calls = "call" if single else f"call ({separator} call)*"
+        rules.append(f"call_{i}: {write_call(w, tool.function.name, arguments_schema(tool.function))}")
+    calls = "call" if single or separator is None else f"call ({separator} call)*"
     if wrap is not None:
         calls = f"{w.marker(wrap[0])} {calls} {w.marker(wrap[1])}"
     if reasoning:

@@ -31,6 +31,14 @@ def named(name: str) -> chat_pb2.ToolChoice:
     return chat_pb2.ToolChoice(mode=chat_pb2.TOOL_CHOICE_MODE_FUNCTION, function_name=name)
 
 
+def _tool(name: str, schema: dict | None) -> chat_pb2.Tool:
+    tool = chat_pb2.Tool(type="function")
+    tool.function.name = name
+    if schema is not None:
+        tool.function.parameters.update(schema)
+    return tool
+
+
 def request(tool_choice: chat_pb2.ToolChoice, **fields) -> chat_pb2.ChatRequest:
     req = chat_pb2.ChatRequest(model="m", tool_choice=tool_choice, **fields)
     for name, schema in (("get_weather", WEATHER), ("get_order", ORDER), ("ping", None)):
@@ -140,8 +148,46 @@ def test_auto_and_none_are_not_forced(smol):
     (chat_pb2.ChatRequest(tool_choice=REQUIRED), OutputOptions(), "needs tools"),
     (request(REQUIRED, response_format={"type": chat_pb2.RESPONSE_FORMAT_TYPE_JSON_OBJECT}),
      OutputOptions("hermes"), "response_format"),
-    (request(REQUIRED), OutputOptions("chatglm3"), "chatglm3"),
+    (request(named("flags"), tools=[_tool("flags", {"type": "object", "properties": {
+        "tags": {"type": "array", "items": {"type": "boolean"}}}})]), OutputOptions("chatglm3"), "nests a boolean"),
 ])
 def test_what_cannot_be_forced_is_refused(smol, req, options, message):
     with pytest.raises(ServiceError, match=message):
         tool_choice_grammar(req, options, smol[1])
+
+
+GLM_FAVOUR = [")", "```", "``", "`"]
+
+
+@pytest.mark.parametrize("choice", [REQUIRED, named("get_weather"), named("get_order"), named("ping")])
+def test_chatglm3_forced_call_is_one_python_call_of_an_offered_function(smol, choice):
+    tokenizer, formats, guided = smol
+    grammar = tool_choice_grammar(request(choice), OutputOptions("chatglm3"), formats)
+    for seed in range(2):
+        text = walk(tokenizer, guided, grammar, seed, favour=GLM_FAVOUR)
+        content, calls = PARSERS["chatglm3"][1](text)
+        assert content == "" and len(calls) == 1, text
+        if choice.mode == chat_pb2.TOOL_CHOICE_MODE_FUNCTION:
+            assert calls[0].name == choice.function_name
+        check_arguments(calls[0].name, calls[0].arguments)
+
+
+def test_chatglm3_writes_python_booleans_and_may_skip_optional_arguments(smol):
+    tokenizer, formats, guided = smol
+    schema = {"type": "object", "properties": {"verbose": {"type": "boolean"}, "limit": {"type": "integer"},
+                                               "note": {"type": ["null"]}}}
+    req = chat_pb2.ChatRequest(model="m", tool_choice=named("search"), tools=[_tool("search", schema)])
+    grammar = tool_choice_grammar(req, OutputOptions("chatglm3"), formats)
+    assert '("True" | "False")' in grammar.source and '"None"' in grammar.source
+    seen = set()
+    for seed in range(6):
+        # Argument names pulled as hard as the closing ")": each walk picks by the noise.
+        text = walk(tokenizer, guided, grammar, seed, favour=GLM_FAVOUR + ["verbose", "limit", "note", "True"])
+        content, calls = PARSERS["chatglm3"][1](text)
+        assert content == "" and [c.name for c in calls] == ["search"], text
+        args = json.loads(calls[0].arguments)
+        assert set(args) <= {"verbose", "limit", "note"}
+        assert all(isinstance(args[k], t) for k, t in (("verbose", bool), ("limit", int)) if k in args)
+        assert args.get("note") is None
+        seen.add(tuple(sorted(args)))
+    assert len(seen) > 1  # optional arguments really are optional

@@ -16,6 +16,7 @@ from services.scheduler.sequence import (
     SamplingParams,
     Sequence,
     StoppingCriteria,
+    ThinkingBudget,
 )
 from stormserve.scheduler.v1 import scheduler_pb2
 
@@ -100,10 +101,17 @@ def to_sequence(request: scheduler_pb2.GenerateRequest, seq_id: int, config: Sch
     if st.HasField("max_tokens") and st.max_tokens <= 0:
         raise invalid_argument("max_tokens must be > 0")
     max_tokens = min(st.max_tokens, cap) if st.HasField("max_tokens") else cap
+    budget = None
+    if st.HasField("thinking_budget"):
+        tb = st.thinking_budget
+        if tb.max_tokens < 1 or not tb.end_token_ids or not tb.early_stop_token_ids:
+            raise invalid_argument("thinking_budget needs max_tokens >= 1, end_token_ids and early_stop_token_ids")
+        budget = ThinkingBudget(tb.max_tokens, tuple(tb.end_token_ids), tuple(tb.early_stop_token_ids))
     stopping = StoppingCriteria(
         max_tokens=max_tokens,
         stop_token_ids=frozenset(st.stop_token_ids),
         ignore_eos=st.ignore_eos,
+        thinking_budget=budget,
     )
     return Sequence(
         seq_id=seq_id,

@@ -159,7 +159,31 @@ class BatchPolicy:
             seq.last_event_us = finished_us
             self._check_finished(seq, token.token_id)
             events.append((seq, event))
+            if not seq.is_finished:
+                for forced in self._spend_thinking_budget(seq):
+                    # Appended, not sampled: computed with the next step like a prompt chunk.
+                    events.append((seq, TokenEvent(forced, plan.batch_size, 0, 0.0)))
         return events
+
+    def _spend_thinking_budget(self, seq: Sequence) -> list[int]:
+        """Once the budget is spent inside the think block, append the early-stop
+        tokens (as many as max_tokens leaves room for); returns what was appended."""
+        budget = seq.stopping.thinking_budget
+        if budget is None or seq.is_thinking_done:
+            return []
+        outputs = seq.output_token_ids
+        end = list(budget.end_token_ids)
+        if outputs[-len(end):] == end:
+            seq.is_thinking_done = True
+            return []
+        if len(outputs) < budget.max_tokens:
+            return []
+        seq.is_thinking_done = True
+        forced = list(budget.early_stop_token_ids)[: seq.stopping.max_tokens - len(outputs)]
+        outputs.extend(forced)
+        if len(outputs) >= seq.stopping.max_tokens:
+            self.finish(seq, FinishReason.LENGTH)
+        return forced
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """End a sequence (abort or error): it leaves the queue or batch and its blocks are freed."""

@@ -46,10 +46,21 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
+class ThinkingBudget:
+    """At most `max_tokens` generated inside the think block the output starts
+    with; then `early_stop_token_ids` (ending with `end_token_ids`) are appended."""
+
+    max_tokens: int
+    end_token_ids: tuple[int, ...]
+    early_stop_token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class StoppingCriteria:
     max_tokens: int
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
+    thinking_budget: ThinkingBudget | None = None
 
 
 @dataclass
@@ -95,6 +106,8 @@ class Sequence:
     fork_of: Sequence | None = None
     # Sum of the sampled tokens' logprobs (ranks best_of siblings; 0 without logprobs).
     cumulative_logprob: float = 0.0
+    # The think block is over (closed by the model, or by the budget), or there is none to watch.
+    is_thinking_done: bool = False
 
     def __post_init__(self) -> None:
         self.last_event_us = self.last_event_us or self.arrival_us

@@ -28,6 +28,11 @@ class TokenizerConfig:
     reasoning_parser: str = setting(
         "", "<think> reasoning: " + ", ".join(REASONING_PARSERS) + " force it on, `none` off; "
         "empty = on when the chat template mentions <think>")
+    early_stopping_text: str = setting(
+        "\n\nConsidering the limited time by the user, I have to give the solution based on the thinking "
+        "directly now.\n</think>\n\n",
+        "appended when a request's chat_template_kwargs.thinking_budget is spent; must end the think block",
+        alias="early_stopping_text")
 
     def __post_init__(self) -> None:
         require(0 < len(self.model_name) <= 256, "modelName must have 1-256 characters")
@@ -38,3 +43,4 @@ class TokenizerConfig:
         require(self.reasoning_parser in ("", "none", *REASONING_PARSERS),
                 f"reasoning_parser must be none or one of {', '.join(REASONING_PARSERS)}")
         require(1 <= self.max_input_token_len <= 4194304, "maxInputTokenLen must be in [1, 4194304]")
+        require("</think>" in self.early_stopping_text, "early_stopping_text must contain </think>")

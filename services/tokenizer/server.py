@@ -10,9 +10,10 @@ import grpc
 
 from services.common.errors import ServiceError, invalid_argument
 from services.tokenizer.config import TokenizerConfig
-from services.tokenizer.formats import ModelFormats, output_options
+from services.tokenizer.formats import ModelFormats, OutputOptions, output_options
 from services.tokenizer.grammar import response_format_grammar
 from services.tokenizer.output import ChoiceOutput
+from services.tokenizer.parsers.reasoning import THINK_END
 from services.tokenizer.structs import struct_to_dict
 from services.tokenizer.template import render
 from services.tokenizer.tool_grammar import tool_choice_grammar
@@ -36,6 +37,18 @@ class TokenizerCore:
         self.model_root = model_root
         self.created = int(time.time())
         self.max_input_tokens = min(config.max_input_token_len, config.max_seq_len - 1, max_position_embeddings)
+        encode = partial(tokenizer.encode, add_special_tokens=False)
+        self.think_end_ids: list[int] = encode(THINK_END)
+        self.early_stop_ids: list[int] = encode(config.early_stopping_text)
+
+    def thinking_budget(self, options: OutputOptions, kwargs: dict) -> scheduler_pb2.ThinkingBudget | None:
+        """`chat_template_kwargs.thinking_budget` (validated at the edge) for a
+        request whose output starts in a think block; None otherwise."""
+        budget = kwargs.get("thinking_budget")
+        if not options.reasoning or not isinstance(budget, int):
+            return None
+        return scheduler_pb2.ThinkingBudget(
+            max_tokens=budget, end_token_ids=self.think_end_ids, early_stop_token_ids=self.early_stop_ids)
 
     def check_model(self, model: str) -> None:
         if model and model != self.config.model_name:
@@ -58,8 +71,9 @@ def _reject_unsupported(request: chat_pb2.ChatRequest) -> None:
         raise invalid_argument("not supported yet: " + ", ".join(unsupported))
 
 
-def _generate_request(request: chat_pb2.ChatRequest, request_id: str, prompt: list[int],
-                      arrival_us: int, grammar: scheduler_pb2.Grammar | None) -> scheduler_pb2.GenerateRequest:
+def _generate_request(request: chat_pb2.ChatRequest, request_id: str, prompt: list[int], arrival_us: int,
+                      grammar: scheduler_pb2.Grammar | None,
+                      thinking_budget: scheduler_pb2.ThinkingBudget | None) -> scheduler_pb2.GenerateRequest:
     sampling = scheduler_pb2.SamplingParams()
     for name in ("temperature", "top_k", "top_p", "seed", "repetition_penalty", "presence_penalty",
                  "frequency_penalty"):
@@ -75,6 +89,8 @@ def _generate_request(request: chat_pb2.ChatRequest, request_id: str, prompt: li
     )
     if request.HasField("max_tokens"):
         stopping.max_tokens = request.max_tokens
+    if thinking_budget is not None:
+        stopping.thinking_budget.CopyFrom(thinking_budget)
     generate = scheduler_pb2.GenerateRequest(
         request_id=request_id, prompt_token_ids=prompt, sampling=sampling, stopping=stopping,
         arrival_time_us=arrival_us,
@@ -130,7 +146,8 @@ class ChatServicer(chat_pb2_grpc.ChatServiceServicer):
         # With best_of > n the scheduler sends each chosen choice whole at the end.
         streams_choices = not request.HasField("best_of") or request.best_of == num_choices
         call = self.scheduler.Generate(
-            _generate_request(request, request_id, prompt.token_ids, arrival_us, grammar))
+            _generate_request(request, request_id, prompt.token_ids, arrival_us, grammar,
+                              self.core.thinking_budget(options, kwargs)))
         has_sent = False
         try:
             async for response in call:

@@ -10,6 +10,7 @@ from services.scheduler.sequence import (
     Sequence,
     SequenceStatus,
     StoppingCriteria,
+    ThinkingBudget,
 )
 
 EOS = 2
@@ -201,3 +202,54 @@ def test_per_token_statistics():
     assert [(e.batch_size, e.queue_wait_us, e.latency_ms) for _, e in events] == [(2, 1000, 11.0), (2, 500, 10.5)]
     _, events = run_step(policy, worker, started=12_400, finished=20_000)
     assert [(e.queue_wait_us, e.latency_ms) for _, e in events] == [(400, 8.0), (400, 8.0)]
+
+
+THINK_END = (90, 91)  # a two-token closing marker
+EARLY_STOP = (80, 81, 90, 91)
+
+
+def budgeted(seq_id, budget, max_tokens=20):
+    return make_seq(seq_id, max_tokens=max_tokens,
+                    thinking_budget=ThinkingBudget(budget, THINK_END, EARLY_STOP))
+
+
+def test_spent_thinking_budget_appends_the_early_stop_tokens_and_goes_on():
+    policy, worker = make_policy(), FakeWorker(token=7)
+    policy.add(budgeted(1, budget=3))
+    emitted = []
+    for _ in range(5):
+        _, events = run_step(policy, worker)
+        emitted += [event.token_id for _, event in events]
+    # Three sampled tokens, then the early-stop text as output, then sampling goes on.
+    assert emitted[:8] == [7, 7, 7, *EARLY_STOP, 7]
+    # The appended tokens are computed in one chunk that ends by sampling, like a prompt's tail.
+    assert worker.fed[3] == [(1, [7, *EARLY_STOP], 7)]
+    seq = events[0][0]
+    assert seq.output_token_ids[:7] == [7, 7, 7, *EARLY_STOP] and seq.is_thinking_done
+
+
+def test_a_think_block_closed_by_the_model_spends_no_budget():
+    policy = make_policy()
+    tokens = iter([5, *THINK_END, 6, 6, 6, 6, 6])
+
+    class Scripted(FakeWorker):
+        def step(self, plan):
+            return {s: SampledToken(s, next(tokens)) for s in super().step(plan)}
+
+    policy.add(budgeted(1, budget=4))
+    worker = Scripted(token=0)
+    emitted = []
+    for _ in range(7):
+        emitted += [event.token_id for _, event in run_step(policy, worker)[1]]
+    assert emitted == [5, *THINK_END, 6, 6, 6, 6]
+
+
+def test_early_stop_tokens_are_cut_at_max_tokens():
+    policy, worker = make_policy(), FakeWorker(token=7)
+    policy.add(budgeted(1, budget=2, max_tokens=4))
+    emitted = []
+    for _ in range(2):
+        emitted += [event.token_id for _, event in run_step(policy, worker)[1]]
+    assert emitted == [7, 7, *EARLY_STOP[:2]]
+    plan, events = run_step(policy, worker)
+    assert plan is not None and plan.scheduled == [] and plan.release_seq_ids == [1]

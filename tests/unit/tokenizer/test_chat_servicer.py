@@ -126,3 +126,28 @@ def test_tool_choice_none_offers_no_tools_but_still_parses(tokenizer):
     chunks = chat(tokenizer, with_tool(tool_choice=none), text=CALL, scheduler_requests=sent)
     assert not sent[0].sampling.HasField("grammar")
     assert [c.function.name for chunk in chunks for c in chunk.choices[0].delta.tool_calls] == ["ping"]
+
+
+THOUGHT = "<think>Let me think.</think>Paris."
+
+
+@pytest.mark.parametrize("kwargs, reasoning_parser, budgeted", [
+    ({"thinking_budget": 64}, "qwen3", True),
+    ({"thinking_budget": 64, "enable_thinking": True}, "qwen3", True),
+    ({"thinking_budget": 64, "enable_thinking": False}, "qwen3", False),  # thinking off: no budget
+    ({"thinking_budget": 64}, "none", False),  # the model does not think
+    ({}, "qwen3", False),
+])
+def test_thinking_budget_reaches_the_scheduler_only_when_the_output_thinks(tokenizer, kwargs, reasoning_parser,
+                                                                           budgeted):
+    sent: list[scheduler_pb2.GenerateRequest] = []
+    request = ask()
+    request.chat_template_kwargs.update(kwargs)
+    chat(tokenizer, request, text=THOUGHT, scheduler_requests=sent, reasoning_parser=reasoning_parser)
+    stopping = sent[0].stopping
+    assert stopping.HasField("thinking_budget") == budgeted
+    if budgeted:
+        budget = stopping.thinking_budget
+        end = tokenizer.encode("</think>", add_special_tokens=False)
+        assert budget.max_tokens == 64 and list(budget.end_token_ids) == end
+        assert tokenizer.decode(budget.early_stop_token_ids) == TokenizerConfig().early_stopping_text

@@ -25,11 +25,10 @@ from services.common.model_files import default_model_path, resolve_model
 from services.scheduler.plan import SampledToken, WorkerCapacity
 from services.scheduler.policy import BatchPolicy
 from services.scheduler.sequence import SamplingParams, Sequence, StoppingCriteria
-from services.scheduler.worker_client import _sequence_step
+from services.scheduler.worker_client import step_request
 from services.worker.backend import select_backend
 from services.worker.convert import step_from_proto
 from services.worker.model_runner import ModelRunner
-from stormserve.worker.v1 import worker_pb2
 
 
 def _now_us() -> int:
@@ -57,10 +56,7 @@ def run_level(runner: ModelRunner, policy: BatchPolicy, prompts: list[list[int]]
     for _ in range(min(concurrency, len(pending))):
         admit()
     while (plan := policy.schedule()) is not None:
-        request = worker_pb2.StepRequest(
-            step_id=plan.step_id, sequences=[_sequence_step(e) for e in plan.scheduled],
-            release_seq_ids=plan.release_seq_ids,
-        )
+        request = step_request(plan)
         step_started = _now_us()
         result = runner.step(*step_from_proto(request))
         sampled = {t.seq_id: SampledToken(t.seq_id, t.token_id, t.logprob) for t in result.tokens}

@@ -44,7 +44,7 @@ class Chain:
     env: dict[str, str] = field(default_factory=dict)
     log_dir: Path | None = None  # None: children write to our stdout/stderr
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
-    _commands: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    _commands: dict[str, tuple[str, ...]] = field(default_factory=dict, init=False, repr=False)
 
     @property
     def url(self) -> str:

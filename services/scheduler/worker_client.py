@@ -33,13 +33,8 @@ class WorkerClient:
         return capacity, reply
 
     async def step(self, plan: StepPlan) -> dict[int, SampledToken]:
-        request = worker_pb2.StepRequest(
-            step_id=plan.step_id,
-            sequences=[_sequence_step(entry) for entry in plan.scheduled],
-            release_seq_ids=plan.release_seq_ids,
-        )
         try:
-            reply = await self._stub.Step(request)
+            reply = await self._stub.Step(step_request(plan))
         except grpc.aio.AioRpcError as exc:
             raise WorkerError(f"worker {self.address}: {exc.code().name}: {exc.details()}") from exc
         return {
@@ -54,6 +49,15 @@ class WorkerClient:
 
     async def close(self) -> None:
         await self._channel.close()
+
+
+def step_request(plan: StepPlan) -> worker_pb2.StepRequest:
+    """The one Step message for a planned step."""
+    return worker_pb2.StepRequest(
+        step_id=plan.step_id,
+        sequences=[_sequence_step(entry) for entry in plan.scheduled],
+        release_seq_ids=plan.release_seq_ids,
+    )
 
 
 def _sequence_step(entry: ScheduledSequence) -> worker_pb2.SequenceStep:

@@ -38,7 +38,7 @@ class _Layer:
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # One fused kernel (float32 accumulation); HF rounds once more in bfloat16.
+    # Accumulates in float32 and rounds once; HF rounds once more in bfloat16.
     return F.rms_norm(x, x.shape[-1:], weight, eps=eps)
 
 

@@ -150,7 +150,6 @@ class ModelRunner:
             spec = KVCacheSpec.from_model_config(self.config, block_size, dtype_t)
             self.kv_pool = KVCachePool.from_budget(spec, kv_cache_bytes, backend.device)
             if LeanDecoder.supports(model):
-                # The HF modules are dropped: the decoder holds every weight it needs.
                 self.decoder: Decoder = LeanDecoder(model, backend)
             else:
                 self.decoder = _hf_decoder(model)
@@ -162,7 +161,7 @@ class ModelRunner:
             model_dir.name, architecture, dtype,
             "lean" if isinstance(self.decoder, LeanDecoder) else "HF modules", time.monotonic() - started,
         )
-        del model  # the decoder holds what it needs
+        del model  # the lean decoder holds every weight it needs; the HF modules go
         _return_freed_memory()
 
     def describe(self) -> ModelDescription:

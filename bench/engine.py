@@ -22,12 +22,12 @@ from transformers import AutoTokenizer
 
 from bench.serve import Progress, level_prompts, percentiles, print_table
 from services.common.model_files import default_model_path, resolve_model
-from services.scheduler.plan import SampledToken, WorkerCapacity
+from services.scheduler.plan import WorkerCapacity
 from services.scheduler.policy import BatchPolicy
 from services.scheduler.sequence import SamplingParams, Sequence, StoppingCriteria
-from services.scheduler.worker_client import step_request
+from services.scheduler.worker_client import sampled_tokens, step_request
 from services.worker.backend import select_backend
-from services.worker.convert import step_from_proto
+from services.worker.convert import step_from_proto, step_to_proto
 from services.worker.model_runner import ModelRunner
 
 
@@ -58,8 +58,7 @@ def run_level(runner: ModelRunner, policy: BatchPolicy, prompts: list[list[int]]
     while (plan := policy.schedule()) is not None:
         request = step_request(plan)
         step_started = _now_us()
-        result = runner.step(*step_from_proto(request))
-        sampled = {t.seq_id: SampledToken(t.seq_id, t.token_id, t.logprob) for t in result.tokens}
+        sampled = sampled_tokens(step_to_proto(request.step_id, runner.step(*step_from_proto(request))))
         now = _now_us()
         for seq, _ in policy.postprocess(plan, sampled, step_started, now):
             tokens += 1

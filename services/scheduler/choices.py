@@ -5,6 +5,8 @@ best_of == n: every sibling is a choice (index = sibling number) and streams as
 it is generated. best_of > n: tokens are held until every sibling has ended, then
 the n siblings with the highest cumulative logprob go out best first, renumbered
 0..n-1 — the ranking needs every sibling's last token, so nothing can stream.
+Beam search: the sequences are the search's result placeholders, all filled and
+finished at once when it ends (beam.py); each goes out whole under its index.
 """
 from __future__ import annotations
 
@@ -71,6 +73,8 @@ class Choices:
         """The sibling number behind choice `index` while the request streams."""
         if self.is_selecting:
             raise invalid_argument("a single choice cannot be aborted when best_of > n")
+        if self.seqs[0].beam is not None:
+            raise invalid_argument("a single choice cannot be aborted with use_beam_search")
         if not 0 <= index < self.n:
             raise invalid_argument(f"choice index {index} is not in [0, {self.n})")
         return index

@@ -5,9 +5,8 @@ import dataclasses
 import random
 from collections.abc import Callable
 
-import grpc
-
-from services.common.errors import ServiceError, invalid_argument
+from services.common.errors import invalid_argument
+from services.scheduler.beam import MAX_BEAM_TOKENS, BeamSearch
 from services.scheduler.choices import ChoiceUpdate, Choices, sibling_seed
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.engine import EngineLoop
@@ -35,16 +34,22 @@ def _fold_seed(seed: int) -> int:
 
 def to_sequences(request: scheduler_pb2.GenerateRequest, next_seq_id: Callable[[], int], config: SchedulerConfig,
                  now_us: int) -> tuple[list[Sequence], Choices]:
-    """The request's best_of sibling sequences and how their tokens become its n choices."""
-    if request.use_beam_search:
-        raise ServiceError(grpc.StatusCode.UNIMPLEMENTED, "use_beam_search is not supported")
+    """The request's best_of sibling sequences and how their tokens become its n
+    choices (for beam search: its n result placeholders, see beam.py)."""
     n = request.n if request.HasField("n") else 1
     best_of = request.best_of if request.HasField("best_of") else n
     if n < 1:
         raise invalid_argument("n must be >= 1")
+    limit = min(MAX_BEST_OF, config.max_batch_size)
+    if request.use_beam_search:
+        # best_of is not checked against n here (MindIE): the width is the larger.
+        width = max(n, best_of)
+        if width > limit:
+            raise invalid_argument(f"the beam width, max(n, best_of), must be <= {limit}, got {width}")
+        return _beam_search(to_sequence(request, next_seq_id(), config, now_us), n, width, next_seq_id,
+                            explicit_max_tokens=request.stopping.HasField("max_tokens"))
     if best_of < n:
         raise invalid_argument(f"best_of ({best_of}) must be >= n ({n})")
-    limit = min(MAX_BEST_OF, config.max_batch_size)
     if best_of > limit:
         raise invalid_argument(f"best_of (or n) must be <= {limit}, got {best_of}")
     first = to_sequence(request, next_seq_id(), config, now_us)
@@ -66,6 +71,35 @@ def to_sequences(request: scheduler_pb2.GenerateRequest, next_seq_id: Callable[[
             index=i,
         ))
     return seqs, Choices(seqs, n, report_logprobs)
+
+
+def _beam_search(first: Sequence, n: int, width: int, next_seq_id: Callable[[], int],
+                 explicit_max_tokens: bool) -> tuple[list[Sequence], Choices]:
+    conflicts = [name for name, used in (
+        ("presence_penalty, frequency_penalty or repetition_penalty", first.sampling.has_penalties),
+        ("response_format or a forced tool_choice", first.sampling.grammar is not None),
+        ("stop_token_ids", bool(first.stopping.stop_token_ids)),
+        ("thinking_budget", first.stopping.thinking_budget is not None),
+    ) if used]
+    if conflicts:
+        raise invalid_argument("use_beam_search cannot be combined with " + ", ".join(conflicts))
+    max_tokens = first.stopping.max_tokens
+    if max_tokens > MAX_BEAM_TOKENS:
+        default = "" if explicit_max_tokens else " (the default: maxIterTimes, capped by maxSeqLen)"
+        raise invalid_argument(f"use_beam_search needs max_tokens <= {MAX_BEAM_TOKENS}, got {max_tokens}{default}")
+    report_top = first.sampling.top_logprobs
+    # Beams rank the model's own distribution: greedy rows return their 2 x width best tokens.
+    sampling = SamplingParams(temperature=0.0, top_logprobs=max(2 * width, report_top))
+    results = [
+        Sequence(seq_id=next_seq_id(), request_id=first.request_id, prompt_token_ids=first.prompt_token_ids,
+                 sampling=sampling, stopping=first.stopping, arrival_us=first.arrival_us, index=i)
+        for i in range(n)
+    ]
+    search = BeamSearch(width, results, next_seq_id, top_logprobs=report_top)
+    search.beams = [dataclasses.replace(first, sampling=sampling, beam=search)]
+    for result in results:
+        result.beam = search
+    return results, Choices(results, n, report_logprobs=report_top >= 0)
 
 
 def to_sequence(request: scheduler_pb2.GenerateRequest, seq_id: int, config: SchedulerConfig,

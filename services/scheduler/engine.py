@@ -41,7 +41,8 @@ class EngineLoop:
         self.policy: BatchPolicy | None = None
         self.num_steps = 0
         self.num_sequences = 0  # placed here since start
-        self._streams: dict[int, asyncio.Queue[StreamItem]] = {}
+        # Per request id: its Generate call's stream, from submit to detach.
+        self._streams: dict[str, asyncio.Queue[StreamItem]] = {}
         self._wakeup = asyncio.Event()
         self._ready = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
@@ -68,27 +69,30 @@ class EngineLoop:
         await self.worker.close()
 
     def submit(self, seqs: list[Sequence]) -> asyncio.Queue[StreamItem]:
-        """Queue a request's sibling sequences, all delivering to one stream; raises
-        CapacityError if they can never fit."""
+        """Queue one request's sequences (siblings, or beam search result
+        placeholders); everything of that request id is delivered to the one stream
+        returned, until `detach`. Raises CapacityError if they can never fit."""
         assert self.policy is not None and self.is_ready
         self.policy.add_group(seqs)
         self.num_sequences += len(seqs)
         stream: asyncio.Queue[StreamItem] = asyncio.Queue()
-        for seq in seqs:
-            self._streams[seq.seq_id] = stream
+        self._streams[seqs[0].request_id] = stream
         self._wakeup.set()
         return stream
 
     def abort(self, seqs: list[Sequence]) -> None:
-        """End the request's unfinished sequences; their KV is released with the next step.
-        The stream gets a None so that a reader waiting on it sees them finished."""
-        streams = {id(s): s for seq in seqs if (s := self._streams.pop(seq.seq_id, None)) is not None}
+        """End some of a request's unfinished sequences; their KV is released with the
+        next step. The stream gets a None so that a reader waiting on it sees them finished."""
         if self.policy is not None:
             for seq in seqs:
                 self.policy.finish(seq, FinishReason.ABORT)
             self._wakeup.set()
-        for stream in streams.values():
+        if seqs and (stream := self._streams.get(seqs[0].request_id)) is not None:
             stream.put_nowait(None)
+
+    def detach(self, request_id: str) -> None:
+        """The request's Generate call ended: nothing more is delivered to it."""
+        self._streams.pop(request_id, None)
 
     async def _run(self) -> None:
         while True:
@@ -108,11 +112,9 @@ class EngineLoop:
                 continue
             self.num_steps += 1
             for seq, event in policy.postprocess(plan, sampled, started, now_us()):
-                stream = self._streams.get(seq.seq_id)
+                stream = self._streams.get(seq.request_id)
                 if stream is not None:
                     stream.put_nowait((seq, event))
-                if seq.is_finished:
-                    self._streams.pop(seq.seq_id, None)
 
     def _fail_all(self, message: str) -> None:
         """The worker's KV state is gone: every sequence on it ends with an error."""
@@ -120,10 +122,12 @@ class EngineLoop:
         policy = self.policy
         if policy is None:
             return
+        failed = set()
         for seq in policy.unfinished_sequences():
             policy.finish(seq, FinishReason.ABORT)
-            stream = self._streams.pop(seq.seq_id, None)
-            if stream is not None:
+            stream = self._streams.get(seq.request_id)
+            if stream is not None and seq.request_id not in failed:
+                failed.add(seq.request_id)
                 stream.put_nowait(SequenceFailed(f"worker lost: {message}"))
         policy.forget_worker_state()
 

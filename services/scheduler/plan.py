@@ -41,6 +41,8 @@ class StepPlan:
     step_id: int
     scheduled: list[ScheduledSequence]
     release_seq_ids: list[int] = field(default_factory=list)
+    # (src, dst) KV blocks the worker copies before the forward (a forked beam's partial block).
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def sequences(self) -> list[Sequence]:

@@ -16,11 +16,19 @@ each prefill the prompt. The first one queues alone; the step that completes its
 prompt forks the others from it, sharing its full prompt blocks by reference
 count, and each computes only the prompt's tail (the last, partial block) itself.
 A preempted sibling is recomputed like any sequence (MindIE aborts such requests).
+
+Beam search (beam.py): its live beams are greedy sequences that offer candidates
+instead of taking a token. Once all have offered, the selected continuations
+extend their parents; a parent chosen more than once forks a new beam that
+shares its full blocks by reference count and gets a copy of its partial last
+block (copy-on-write, done by the worker before the next step's forward), and
+beams not chosen end. Nothing is recomputed.
 """
 from __future__ import annotations
 
 from collections import deque
 
+from services.scheduler.beam import BeamSearch, Continuation
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.plan import (  # noqa: F401 - re-exported: the policy's vocabulary
     CapacityError,
@@ -43,6 +51,8 @@ class BatchPolicy:
         self.num_preemptions = 0
         self.num_cached_tokens = 0  # prefix-cache hits, in tokens, over all admissions
         self._to_release: list[int] = []
+        # Block copies for the next step, by the seq id of the beam whose block is written.
+        self._copies: dict[int, tuple[int, int]] = {}
         self._next_step_id = 0
 
     # -- admission ---------------------------------------------------------
@@ -55,14 +65,20 @@ class BatchPolicy:
         The first (leader) queues; the others wait outside the queue until its
         prompt KV is computed, then fork from it (see _fork) instead of each
         prefilling the prompt. Penalties need every prompt token fed to the worker
-        (its penalty history), so such siblings queue and prefill on their own."""
+        (its penalty history), so such siblings queue and prefill on their own.
+
+        Beam search: `seqs` are the request's result placeholders; the search's
+        first beam queues."""
+        search = seqs[0].beam
+        if search is not None:
+            # Every beam may grow to full length at once: the search must fit whole.
+            self._check_fits(search.beams[0], search.width)
+            if not search.beams[0].stopping.ignore_eos:
+                search.eos_token_ids = self.capacity.eos_token_ids
+            self.waiting.append(search.beams[0])
+            return
         for seq in seqs:
-            needed = self.blocks.blocks_for(seq.num_prompt_tokens + seq.stopping.max_tokens)
-            if needed > self.capacity.num_kv_blocks:
-                raise CapacityError(
-                    f"prompt ({seq.num_prompt_tokens} tokens) + max_tokens ({seq.stopping.max_tokens}) "
-                    f"exceeds the KV cache ({self.capacity.num_kv_blocks * self.capacity.block_size} tokens)"
-                )
+            self._check_fits(seq, 1)
         leader, *siblings = seqs
         if siblings and not leader.sampling.has_penalties:
             leader.forks = siblings
@@ -71,6 +87,15 @@ class BatchPolicy:
             self.waiting.append(leader)
         else:
             self.waiting.extend(seqs)
+
+    def _check_fits(self, seq: Sequence, copies: int) -> None:
+        needed = copies * self.blocks.blocks_for(seq.num_prompt_tokens + seq.stopping.max_tokens)
+        if needed > self.capacity.num_kv_blocks:
+            what = f"{copies} beams x (" if copies > 1 else "("
+            raise CapacityError(
+                f"{what}prompt ({seq.num_prompt_tokens} tokens) + max_tokens ({seq.stopping.max_tokens})) "
+                f"exceeds the KV cache ({self.capacity.num_kv_blocks * self.capacity.block_size} tokens)"
+            )
 
     def num_cached_prefix_tokens(self, seq: Sequence) -> int:
         """Prompt tokens `seq` would reuse here (for placement across workers)."""
@@ -92,7 +117,7 @@ class BatchPolicy:
         return seqs + [fork for seq in seqs for fork in seq.forks]
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._to_release)
+        return bool(self.waiting or self.running or self._to_release or self._copies)
 
     # -- the three verbs -----------------------------------------------------
     def schedule(self) -> StepPlan | None:
@@ -122,17 +147,18 @@ class BatchPolicy:
             if not self._admit(seq, budget, batch):
                 break  # first come, first served: never skip the head
             budget -= batch[-1].num_new_tokens
-        if not batch and not self._to_release:
+        if not batch and not self._to_release and not self._copies:
             return None
-        plan = StepPlan(self._next_step_id, batch, self._to_release)
+        plan = StepPlan(self._next_step_id, batch, self._to_release, list(self._copies.values()))
         self._next_step_id += 1
-        self._to_release = []
+        self._to_release, self._copies = [], {}
         return plan
 
     def postprocess(self, plan: StepPlan, sampled: dict[int, SampledToken], started_us: int,
                     finished_us: int) -> list[tuple[Sequence, TokenEvent]]:
         """Commit computed KV, append each sampled token with its statistics, finish what is done."""
         events = []
+        searches: list[BeamSearch] = []  # beam searches whose every beam has offered
         for entry in plan.scheduled:
             seq = entry.seq
             if seq.is_finished or seq.status is not SequenceStatus.RUNNING:  # aborted while the step ran
@@ -145,9 +171,6 @@ class BatchPolicy:
             if seq.forks:  # its prompt KV is complete: the siblings start from it
                 self._fork(seq)
             token = sampled[seq.seq_id]
-            seq.output_token_ids.append(token.token_id)
-            if token.logprob is not None:
-                seq.cumulative_logprob += token.logprob
             event = TokenEvent(
                 token_id=token.token_id,
                 batch_size=plan.batch_size,
@@ -157,12 +180,23 @@ class BatchPolicy:
                 top_logprobs=list(token.top_logprobs),
             )
             seq.last_event_us = finished_us
+            if seq.beam is not None:
+                seq.beam.offer(seq, list(token.top_logprobs), event)
+                if seq.beam.is_ready and seq.beam not in searches:
+                    searches.append(seq.beam)
+                continue
+            seq.output_token_ids.append(token.token_id)
+            if token.logprob is not None:
+                seq.cumulative_logprob += token.logprob
             self._check_finished(seq, token.token_id)
             events.append((seq, event))
             if not seq.is_finished:
                 for forced in self._spend_thinking_budget(seq):
                     # Appended, not sampled: computed with the next step like a prompt chunk.
                     events.append((seq, TokenEvent(forced, plan.batch_size, 0, 0.0)))
+        for search in searches:
+            if search.is_ready:  # a beam may have been preempted to make room for another search's fork
+                events += self._advance_beams(search)
         return events
 
     def _spend_thinking_budget(self, seq: Sequence) -> list[int]:
@@ -189,6 +223,12 @@ class BatchPolicy:
         """End a sequence (abort or error): it leaves the queue or batch and its blocks are freed."""
         if seq.is_finished:
             return
+        if seq.beam is not None and seq.beam.is_result(seq):
+            self._end_beam_search(seq.beam, reason)
+            return
+        if seq.beam is not None:
+            seq.beam.drop(seq)
+        self._copies.pop(seq.seq_id, None)
         if seq.forks:
             self._orphan_forks(seq)
         if seq.status is SequenceStatus.FORK_PENDING:
@@ -212,6 +252,9 @@ class BatchPolicy:
         """Free a running sequence's blocks; it waits at the head of the queue to be recomputed."""
         self.running.remove(seq)
         self.blocks.free(seq)
+        self._copies.pop(seq.seq_id, None)
+        if seq.beam is not None:
+            seq.beam.withdraw(seq)
         seq.num_computed_tokens = 0
         seq.is_sent_to_worker = False  # the worker releases its state and needs sampling again
         seq.status = SequenceStatus.WAITING
@@ -249,6 +292,90 @@ class BatchPolicy:
         for sibling in rest:
             sibling.fork_of = heir
         self.waiting.appendleft(heir)
+
+    # -- beam search -------------------------------------------------------
+    def _advance_beams(self, search: BeamSearch) -> list[tuple[Sequence, TokenEvent]]:
+        """Every live beam has offered: select, extend and fork the next beams, and
+        end the search with its results when it is done."""
+        chosen = search.select()
+        parents = {id(c.parent) for c in chosen}
+        for beam in list(search.beams):
+            if id(beam) not in parents:  # not chosen: its blocks go before forks take any
+                self.finish(beam, FinishReason.ABORT)
+        firsts: dict[int, Continuation] = {}
+        for c in chosen:
+            firsts.setdefault(c.parent.seq_id, c)
+        # Forks copy their parent as it was, so they are made before parents extend.
+        beams = [c.parent if firsts[c.parent.seq_id] is c else self._fork_beam(search, c) for c in chosen]
+        for c in firsts.values():
+            c.parent.output_token_ids.append(c.token_id)
+            c.parent.cumulative_logprob += c.event.logprob or 0.0
+            search.history[c.parent.seq_id].append(c.event)
+        search.beams = beams
+        if not search.is_done(search.results[0].stopping.max_tokens):
+            return []
+        hypotheses = search.finalize()
+        for beam in list(search.beams):
+            self.finish(beam, FinishReason.LENGTH)
+        events = []
+        for result, hypothesis in zip(search.results, hypotheses):
+            result.output_token_ids = hypothesis.token_ids
+            result.cumulative_logprob = hypothesis.cumulative_logprob
+            result.ended_by_stop_token = hypothesis.ended_by_eos
+            result.num_cached_tokens = search.num_cached_tokens
+            result.status = SequenceStatus.FINISHED
+            result.finish_reason = FinishReason.STOP if hypothesis.ended_by_eos else FinishReason.LENGTH
+            events += [(result, event) for event in hypothesis.events]
+        # Fewer hypotheses than choices (every candidate ended early) leaves empty ones.
+        self._end_beam_search(search, FinishReason.STOP)
+        return events
+
+    def _fork_beam(self, search: BeamSearch, c: Continuation) -> Sequence:
+        """A new beam: `c.parent` as it is now, extended by `c.token_id`."""
+        parent = c.parent
+        child = Sequence(
+            seq_id=search.next_seq_id(),
+            request_id=parent.request_id,
+            prompt_token_ids=parent.prompt_token_ids,
+            sampling=parent.sampling,
+            stopping=parent.stopping,
+            arrival_us=parent.arrival_us,
+            output_token_ids=parent.output_token_ids + [c.token_id],
+            status=SequenceStatus.RUNNING,
+            last_event_us=parent.last_event_us,
+            num_cached_tokens=parent.num_cached_tokens,
+            cumulative_logprob=parent.cumulative_logprob + (c.event.logprob or 0.0),
+            beam=search,
+        )
+        search.history[child.seq_id] = search.history[parent.seq_id] + [c.event]
+        computed = parent.num_computed_tokens
+        num_full = computed // self.blocks.block_size
+        self.blocks.fork(parent, child, num_full)
+        while not self.blocks.can_grow(child, computed):
+            # The search fits the pool alone (add_group): others make room.
+            victim = next((s for s in reversed(self.running) if s.beam is not search), None)
+            if victim is None:
+                break
+            self.preempt(victim)
+        if self.blocks.can_grow(child, computed):
+            self.blocks.grow(child, computed)
+            child.num_computed_tokens = computed
+            if len(child.block_table) > num_full:  # the partial block, copied on write
+                self._copies[child.seq_id] = (parent.block_table[num_full], child.block_table[num_full])
+            self.running.append(child)
+        else:  # not reachable while add_group's check holds; recomputing is still correct
+            self.blocks.free(child)
+            child.status = SequenceStatus.WAITING
+            self.waiting.appendleft(child)
+        return child
+
+    def _end_beam_search(self, search: BeamSearch, reason: FinishReason) -> None:
+        """End the search's live beams; results not yet filled end empty with `reason`."""
+        for beam in list(search.beams):
+            self.finish(beam, reason)
+        for result in search.results:
+            if not result.is_finished:
+                result.status, result.finish_reason = SequenceStatus.FINISHED, reason
 
     # -- helpers -----------------------------------------------------------
     def _schedule_decodes(self, batch: list[ScheduledSequence]) -> bool:

@@ -3,6 +3,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from services.scheduler.beam import BeamSearch
 
 
 class FinishReason(enum.Enum):
@@ -108,6 +112,9 @@ class Sequence:
     cumulative_logprob: float = 0.0
     # The think block is over (closed by the model, or by the budget), or there is none to watch.
     is_thinking_done: bool = False
+    # Beam search: the search this sequence is a live beam of, or one of whose
+    # result placeholders it is (see beam.py); None otherwise.
+    beam: BeamSearch | None = None
 
     def __post_init__(self) -> None:
         self.last_event_us = self.last_event_us or self.arrival_us

@@ -1,5 +1,6 @@
 """SchedulerService wiring: Generate streams a request's choices (one sequence per
-sibling, see choices.py); cancelling the call aborts every sibling."""
+sibling, or a beam search's results, see choices.py); cancelling the call aborts
+every sibling."""
 from __future__ import annotations
 
 import logging
@@ -52,6 +53,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             self._live.pop(request.request_id, None)
             if choices.unfinished:
                 engine.abort(choices.unfinished)
+            engine.detach(request.request_id)
 
     async def Abort(self, request, context):
         entry = self._live.get(request.request_id)

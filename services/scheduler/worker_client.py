@@ -37,15 +37,7 @@ class WorkerClient:
             reply = await self._stub.Step(step_request(plan))
         except grpc.aio.AioRpcError as exc:
             raise WorkerError(f"worker {self.address}: {exc.code().name}: {exc.details()}") from exc
-        return {
-            t.seq_id: SampledToken(
-                seq_id=t.seq_id,
-                token_id=t.token_id,
-                logprob=t.logprob if t.HasField("logprob") else None,
-                top_logprobs=tuple((a.token_id, a.logprob) for a in t.top_logprobs),
-            )
-            for t in reply.tokens
-        }
+        return sampled_tokens(reply)
 
     async def close(self) -> None:
         await self._channel.close()
@@ -57,6 +49,7 @@ def step_request(plan: StepPlan) -> worker_pb2.StepRequest:
         step_id=plan.step_id,
         sequences=[_sequence_step(entry) for entry in plan.scheduled],
         release_seq_ids=plan.release_seq_ids,
+        block_copies=[worker_pb2.BlockCopy(src_block=s, dst_block=d) for s, d in plan.block_copies],
     )
 
 
@@ -88,3 +81,16 @@ def _sequence_step(entry: ScheduledSequence) -> worker_pb2.SequenceStep:
             kind, source = s.grammar  # GrammarKind numbers are the same in both packages
             step.sampling.grammar.CopyFrom(worker_pb2.Grammar(kind=kind, source=source))
     return step
+
+
+def sampled_tokens(reply: worker_pb2.StepResponse) -> dict[int, SampledToken]:
+    """A Step reply's tokens by seq id."""
+    return {
+        t.seq_id: SampledToken(
+            seq_id=t.seq_id,
+            token_id=t.token_id,
+            logprob=t.logprob if t.HasField("logprob") else None,
+            top_logprobs=tuple((a.token_id, a.logprob) for a in t.top_logprobs),
+        )
+        for t in reply.tokens
+    }

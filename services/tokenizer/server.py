@@ -61,14 +61,14 @@ class TokenizerCore:
         )
 
 
-def _reject_unsupported(request: chat_pb2.ChatRequest) -> None:
-    """Fields the contract carries but this release does not implement yet: a clear
-    error beats silently ignoring them."""
-    unsupported = []
-    if request.use_beam_search:
-        unsupported.append("use_beam_search")
-    if unsupported:
-        raise invalid_argument("not supported yet: " + ", ".join(unsupported))
+def _check_beam_search(request: chat_pb2.ChatRequest) -> None:
+    """What the API pages forbid with beam search and only this service sees (the
+    scheduler checks the token-level rest): text stop strings and function calls."""
+    if not request.use_beam_search:
+        return
+    conflicts = [name for name, used in (("stop", bool(request.stop)), ("tools", bool(request.tools))) if used]
+    if conflicts:
+        raise invalid_argument("use_beam_search cannot be combined with " + ", ".join(conflicts))
 
 
 def _generate_request(request: chat_pb2.ChatRequest, request_id: str, prompt: list[int], arrival_us: int,
@@ -93,7 +93,7 @@ def _generate_request(request: chat_pb2.ChatRequest, request_id: str, prompt: li
         stopping.thinking_budget.CopyFrom(thinking_budget)
     generate = scheduler_pb2.GenerateRequest(
         request_id=request_id, prompt_token_ids=prompt, sampling=sampling, stopping=stopping,
-        arrival_time_us=arrival_us,
+        arrival_time_us=arrival_us, use_beam_search=request.use_beam_search,
     )
     for name in ("n", "best_of"):
         if request.HasField(name):
@@ -120,7 +120,7 @@ class ChatServicer(chat_pb2_grpc.ChatServiceServicer):
     async def Chat(self, request, context):
         arrival_us = request.arrival_time_us or time.time_ns() // 1000
         self.core.check_model(request.model)
-        _reject_unsupported(request)
+        _check_beam_search(request)
         kwargs = struct_to_dict(request.chat_template_kwargs)
         tools = [] if request.tool_choice.mode == chat_pb2.TOOL_CHOICE_MODE_NONE else request.tools
         prompt = await self.core.render(request.messages, tools, kwargs)
@@ -143,8 +143,9 @@ class ChatServicer(chat_pb2_grpc.ChatServiceServicer):
                          full_text_enabled=self.core.config.full_text_enabled, options=options)
             for index in range(num_choices)
         ]
-        # With best_of > n the scheduler sends each chosen choice whole at the end.
-        streams_choices = not request.HasField("best_of") or request.best_of == num_choices
+        # With best_of > n or beam search the scheduler sends each choice whole at the end.
+        streams_choices = not request.use_beam_search and (
+            not request.HasField("best_of") or request.best_of == num_choices)
         call = self.scheduler.Generate(
             _generate_request(request, request_id, prompt.token_ids, arrival_us, grammar,
                               self.core.thinking_budget(options, kwargs)))

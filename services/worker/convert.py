@@ -31,8 +31,11 @@ def sampling_from_proto(message: worker_pb2.SamplingParams) -> SamplingParams:
     )
 
 
-def step_from_proto(request: worker_pb2.StepRequest) -> tuple[list[SequenceInput], list[int]]:
-    """The step's sequences (request order) and the seq ids to release first."""
+def step_from_proto(
+    request: worker_pb2.StepRequest,
+) -> tuple[list[SequenceInput], list[int], list[tuple[int, int]]]:
+    """The step's sequences (request order), the seq ids to release first, and the
+    (src, dst) block copies to make before the forward."""
     inputs = [
         SequenceInput(
             seq_id=s.seq_id,
@@ -45,7 +48,8 @@ def step_from_proto(request: worker_pb2.StepRequest) -> tuple[list[SequenceInput
         )
         for s in request.sequences
     ]
-    return inputs, list(request.release_seq_ids)
+    copies = [(c.src_block, c.dst_block) for c in request.block_copies]
+    return inputs, list(request.release_seq_ids), copies
 
 
 def step_to_proto(step_id: int, result: StepResult) -> worker_pb2.StepResponse:

@@ -71,3 +71,17 @@ class KVCachePool:
     @classmethod
     def from_budget(cls, spec: KVCacheSpec, budget_bytes: int, device: torch.device) -> KVCachePool:
         return cls(spec, spec.num_blocks_for(budget_bytes), device)
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy each (src, dst) block's slots in every layer; every source is read
+        before any destination is written, so a block may be both."""
+        if not copies:
+            return
+        size = self.spec.block_size
+        device = self.key_cache.device
+        offsets = torch.arange(size, device=device)
+        src, dst = (
+            (torch.tensor(blocks, device=device)[:, None] * size + offsets).flatten() for blocks in zip(*copies)
+        )
+        for cache in (self.key_cache, self.value_cache):
+            cache[:, dst] = cache[:, src]  # advanced indexing: the right side is a copy

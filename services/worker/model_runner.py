@@ -190,14 +190,18 @@ class ModelRunner:
         self.sequences.pop(seq_id, None)
 
     @torch.inference_mode()
-    def step(self, inputs: list[SequenceInput], release_seq_ids: Sequence[int] = ()) -> StepResult:
-        """Release `release_seq_ids`, run `inputs` as one packed forward, sample.
+    def step(self, inputs: list[SequenceInput], release_seq_ids: Sequence[int] = (),
+             block_copies: Sequence[tuple[int, int]] = ()) -> StepResult:
+        """Release `release_seq_ids`, make the `block_copies` (src, dst), run `inputs`
+        as one packed forward, sample.
 
         Returns one SampledToken per input with sample=True, in input order.
         """
         started = time.perf_counter()
+        self._validate_copies(block_copies)
         for seq_id in release_seq_ids:
             self.release(seq_id)
+        self.kv_pool.copy_blocks(list(block_copies))
         tokens: list[SampledToken] = []
         if inputs:
             logits = self.forward(inputs)
@@ -260,6 +264,13 @@ class ModelRunner:
                     f"seq {s.seq_id}: {context} tokens exceed the model's {self.max_position_embeddings}"
                 )
             self._validate_block_table(s, context)
+
+    def _validate_copies(self, copies: Sequence[tuple[int, int]]) -> None:
+        num_blocks = self.kv_pool.num_blocks
+        if any(not (0 <= b < num_blocks) for pair in copies for b in pair):
+            raise invalid_argument(f"block copy: block id outside [0, {num_blocks})")
+        if len({dst for _, dst in copies}) != len(copies):
+            raise invalid_argument("block copy: a destination block appears twice")
 
     def _validate_block_table(self, s: SequenceInput, context: int) -> None:
         # Out-of-range ids would index past the pool; a short table would map

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from services.common.errors import invalid_argument
 from services.worker.guided import GrammarSpec
 
-# OpenAI caps top_logprobs at 20; more costs a wide top-k per step for nothing.
-MAX_TOP_LOGPROBS = 20
+# The API caps top_logprobs at 20; beam search asks for 2 x its width (<= 128).
+MAX_TOP_LOGPROBS = 256
 
 
 @dataclass(frozen=True)

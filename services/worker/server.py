@@ -51,9 +51,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
     async def Step(self, request: worker_pb2.StepRequest, context) -> worker_pb2.StepResponse:
         runner = self._require_runner()
-        inputs, release_seq_ids = convert.step_from_proto(request)
+        inputs, release_seq_ids, block_copies = convert.step_from_proto(request)
         loop = asyncio.get_running_loop()
-        result = await loop.run_in_executor(self._executor, runner.step, inputs, release_seq_ids)
+        result = await loop.run_in_executor(self._executor, runner.step, inputs, release_seq_ids, block_copies)
         log.debug(
             "step %d: %d sequences, %d tokens, %d released, %.1f ms",
             request.step_id, len(inputs), sum(len(s.token_ids) for s in inputs),

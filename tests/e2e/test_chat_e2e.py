@@ -296,6 +296,40 @@ def test_best_of_returns_n_choices(openai_client):
     assert reply.choices[0].message.content
 
 
+def test_beam_search_of_width_one_is_greedy(openai_client):
+    kwargs = dict(model=MODEL, messages=QUESTION, max_tokens=16)
+    greedy = openai_client.chat.completions.create(temperature=0, **kwargs)
+    beam = openai_client.chat.completions.create(extra_body={"use_beam_search": True}, **kwargs)
+    assert beam.choices[0].message.content == greedy.choices[0].message.content
+    assert beam.usage.completion_tokens == greedy.usage.completion_tokens
+
+
+def test_beam_search_returns_the_n_best_whole_in_stream_and_not(openai_client):
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Name a fruit."}], max_tokens=12, n=2,
+                  extra_body={"use_beam_search": True, "best_of": 3})
+    reply = openai_client.chat.completions.create(**kwargs)
+    assert [c.index for c in reply.choices] == [0, 1]
+    texts = [c.message.content for c in reply.choices]
+    assert all(texts) and texts[0] != texts[1]
+    assert all(c.finish_reason in ("stop", "length") for c in reply.choices)
+    streamed: dict[int, list[str]] = {0: [], 1: []}
+    for chunk in openai_client.chat.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            streamed[choice.index].append(choice.delta.content or "")
+    assert ["".join(parts) for parts in streamed.values()] == texts  # the same beams, sent when the search ends
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"stop": ["."], "max_tokens": 8}, "stop"),
+    ({}, "max_tokens <= 128"),  # the default, maxIterTimes 512
+    ({"max_tokens": 8, "presence_penalty": 0.5}, "presence_penalty"),
+])
+def test_beam_search_conflicts_are_422(base_url, extra, message):
+    body = {"model": MODEL, "messages": QUESTION, "use_beam_search": True, **extra}
+    response = httpx.post(base_url + "/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 422 and message in response.json()["message"], response.text
+
+
 @pytest.mark.parametrize("spelling", ["prefix", "continue_final_message"])
 def test_assistant_prefix_is_continued(base_url, spelling):
     messages = [{"role": "user", "content": "Which city is the capital of France?"},

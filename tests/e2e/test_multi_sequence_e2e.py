@@ -102,15 +102,24 @@ def test_best_of_sends_the_n_best_at_the_end_renumbered(stub, scheduler_load):
     assert worker.num_free_kv_blocks == worker.num_kv_blocks
 
 
-def test_invalid_n_and_beam_search_are_refused(stub):
+def test_invalid_n_is_refused(stub):
     with pytest.raises(grpc.RpcError) as info:
         collect(stub, generate_request("bad-best-of", n=3, best_of=2))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    request = generate_request("beam")
+
+
+def test_beam_search_sends_the_n_best_at_the_end_and_frees_every_beam(stub, scheduler_load):
+    request = generate_request("beam", n=2, best_of=4, top_logprobs=2)
     request.use_beam_search = True
-    with pytest.raises(grpc.RpcError) as info:
-        collect(stub, request)
-    assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    choices, order = collect(stub, request)
+    assert order == [0, 1]  # one message per choice, best first
+    assert all(c.messages == 1 and c.tokens and c.finish_reason for c in choices.values())
+    assert all(len(c.logprobs) == len(c.tokens) for c in choices.values())
+    scores = [choices[i].cumulative_logprob / len(choices[i].tokens) for i in (0, 1)]
+    assert scores[0] >= scores[1]
+    assert choices[0].tokens != choices[1].tokens
+    worker = wait_idle(scheduler_load)
+    assert worker.num_free_kv_blocks == worker.num_kv_blocks
 
 
 def test_cancel_and_abort_free_every_sibling(stub, scheduler_load):

@@ -62,7 +62,6 @@ def test_siblings_get_distinct_reproducible_seeds_and_internal_logprobs():
     ({"n": 0}, grpc.StatusCode.INVALID_ARGUMENT),
     ({"n": 3, "best_of": 2}, grpc.StatusCode.INVALID_ARGUMENT),
     ({"n": 9}, grpc.StatusCode.INVALID_ARGUMENT),  # > maxBatchSize
-    ({"use_beam_search": True}, grpc.StatusCode.UNIMPLEMENTED),
 ])
 def test_invalid_combinations_are_refused(kwargs, code):
     with pytest.raises(ServiceError) as info:

@@ -1,6 +1,8 @@
 """Batching policy on a fake worker: admission, continuous batching, accounting."""
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from services.scheduler.policy import BatchPolicy, CapacityError, SampledToken, WorkerCapacity
@@ -50,6 +52,15 @@ class FakeWorker:
         self.released.extend(plan.release_seq_ids)
         for seq_id in plan.release_seq_ids:
             self.computed.pop(seq_id, None)
+        copied = {
+            dst * BLOCK_SIZE + o: self.slots.get(src * BLOCK_SIZE + o)
+            for src, dst in plan.block_copies for o in range(BLOCK_SIZE)
+        }  # every source read before any destination is written, as on the worker
+        for slot, token in copied.items():
+            if token is None:
+                self.slots.pop(slot, None)
+            else:
+                self.slots[slot] = token
         sampled = {}
         for e in plan.scheduled:
             seq, table = e.seq, e.seq.block_table
@@ -73,8 +84,21 @@ class FakeWorker:
                 mixed = sum((i + 1) * t for i, t in enumerate(context)) + seq.sampling.seed
                 token = self.token if self.token is not None else 10 + mixed % 37
                 logprob = -0.1 - (token % 7) / 4 if seq.sampling.top_logprobs >= 0 else None
-                sampled[seq.seq_id] = SampledToken(seq.seq_id, token, logprob)
+                alternatives = ()
+                if seq.sampling.top_logprobs > 0:  # greedy over a distribution of the context
+                    alternatives = tuple(distribution(context)[: seq.sampling.top_logprobs])
+                    token, logprob = alternatives[0]
+                sampled[seq.seq_id] = SampledToken(seq.seq_id, token, logprob, alternatives)
         return sampled
+
+
+def distribution(context: list[int]) -> list[tuple[int, float]]:
+    """A fixed next-token distribution over tokens 2..21 (EOS included) for a context:
+    (token, logprob), best first."""
+    weights = [((sum((i + 7) * t for i, t in enumerate(context)) * 2654435761 + token * 40503) % 1009) / 97
+               for token in range(2, 22)]
+    norm = math.log(sum(math.exp(w) for w in weights))
+    return sorted(((token, w - norm) for token, w in zip(range(2, 22), weights)), key=lambda tw: -tw[1])
 
 
 def run_step(policy, worker, started=2_000, finished=3_000):

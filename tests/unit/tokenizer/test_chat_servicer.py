@@ -8,6 +8,7 @@ import asyncio
 import pytest
 from transformers import AutoTokenizer
 
+from services.common.errors import ServiceError
 from services.common.model_files import default_model_path, resolve_model
 from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.server import ChatServicer, TokenizerCore
@@ -151,3 +152,13 @@ def test_thinking_budget_reaches_the_scheduler_only_when_the_output_thinks(token
         end = tokenizer.encode("</think>", add_special_tokens=False)
         assert budget.max_tokens == 64 and list(budget.end_token_ids) == end
         assert tokenizer.decode(budget.early_stop_token_ids) == TokenizerConfig().early_stopping_text
+
+
+def test_beam_search_reaches_the_scheduler_and_its_text_level_conflicts_are_refused(tokenizer):
+    sent: list[scheduler_pb2.GenerateRequest] = []
+    chat(tokenizer, ask(use_beam_search=True, n=1, best_of=3, max_tokens=8), scheduler_requests=sent)
+    assert sent[0].use_beam_search and sent[0].n == 1 and sent[0].best_of == 3
+    tool = chat_pb2.Tool(function=chat_pb2.FunctionDefinition(name="f"))
+    for fields, name in (({"stop": ["."]}, "stop"), ({"tools": [tool]}, "tools")):
+        with pytest.raises(ServiceError, match=f"use_beam_search cannot be combined with {name}"):
+            chat(tokenizer, ask(use_beam_search=True, max_tokens=8, **fields))

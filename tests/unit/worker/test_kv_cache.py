@@ -31,3 +31,25 @@ def test_runner_allocates_nothing_and_checks_block_tables(runner: ModelRunner):
         runner.step([SequenceInput(603, [5], 0, True, greedy, [runner.kv_pool.num_blocks])])
     assert 603 not in runner.sequences
     assert not hasattr(runner, "blocks")
+
+
+def test_block_copies_read_every_source_before_writing():
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=1, head_dim=2, block_size=3, dtype=torch.float32)
+    pool = KVCachePool(spec, 4, torch.device("cpu"))
+    for cache, sign in ((pool.key_cache, 1), (pool.value_cache, -1)):
+        cache.copy_(sign * torch.arange(cache.numel(), dtype=torch.float32).reshape(cache.shape))
+    keys, values = pool.key_cache.clone(), pool.value_cache.clone()
+    pool.copy_blocks([(0, 1), (1, 0), (0, 3)])  # a swap, and block 0's old content again
+    for cache, before in ((pool.key_cache, keys), (pool.value_cache, values)):
+        torch.testing.assert_close(cache[:, 3:6], before[:, 0:3])
+        torch.testing.assert_close(cache[:, 0:3], before[:, 3:6])
+        torch.testing.assert_close(cache[:, 9:12], before[:, 0:3])
+        torch.testing.assert_close(cache[:, 6:9], before[:, 6:9])
+
+
+def test_runner_refuses_bad_block_copies(runner: ModelRunner):
+    num_blocks = runner.kv_pool.num_blocks
+    with pytest.raises(ServiceError, match="outside"):
+        runner.step([], block_copies=[(0, num_blocks)])
+    with pytest.raises(ServiceError, match="twice"):
+        runner.step([], block_copies=[(0, 1), (2, 1)])

@@ -201,3 +201,27 @@ def test_penalty_history_separates_prompt_and_generated_tokens(runner: ModelRunn
     runner.release(901)
     tables.release(901)
     assert 901 not in runner.sequences
+
+
+def test_fork_continues_from_a_copied_partial_block(runner: ModelRunner, tables: BlockTables, reference_model):
+    """Beam search forks: the new sequence shares the parent's full blocks, gets a
+    copy of its partial one, and both go on with different tokens, each reading
+    exactly its own context."""
+    prompt = _tokens(321, 10)  # 2 full blocks of 4, and 2 tokens in a third
+    runner.step([tables.feed(321, prompt, 0, False, GREEDY)])
+    parent_table = tables.table(321, 11)
+    child_own = tables.table(322, 4)[:1]
+    child_table = parent_table[:2] + child_own
+    a, b = 7, 9
+    result = runner.step(
+        [SequenceInput(321, [a], 10, True, None, parent_table),
+         SequenceInput(322, [b], 10, True, GREEDY, child_table, num_prompt_tokens=10)],
+        block_copies=[(parent_table[2], child_own[0])],
+    )
+    logits = runner.forward([SequenceInput(321, [result.tokens[0].token_id], 11, True, None, tables.table(321, 12)),
+                             SequenceInput(322, [result.tokens[1].token_id], 11, True, None, child_table)])
+    for row, context in enumerate((prompt + [a, result.tokens[0].token_id], prompt + [b, result.tokens[1].token_id])):
+        torch.testing.assert_close(logits[row], _reference_logits(reference_model, context)[-1], atol=5e-4, rtol=1e-5)
+    for seq_id in (321, 322):
+        runner.release(seq_id)
+        tables.release(seq_id)

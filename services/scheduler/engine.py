@@ -1,15 +1,21 @@
 """The engine loop for one worker: plan, execute, account — and deliver each
 token to its request's stream. Also watches the worker's health: when it is
 down its in-flight requests end with an error and new ones go elsewhere; it
-rejoins when healthy again."""
+rejoins when healthy again.
+
+Steps are pipelined one deep: once step N is sent, step N+1 is planned and sent
+before N's answer is awaited (the policy plans from where N leaves each
+sequence), so the worker starts N+1 as soon as N is done instead of waiting for
+the scheduler to account for N and plan again."""
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 
-from services.scheduler.policy import BatchPolicy, WorkerCapacity
+from services.scheduler.policy import BatchPolicy, StepPlan, WorkerCapacity
 from services.scheduler.sequence import FinishReason, Sequence, TokenEvent
 from services.scheduler.worker_client import WorkerClient, WorkerError
 
@@ -95,26 +101,52 @@ class EngineLoop:
         self._streams.pop(request_id, None)
 
     async def _run(self) -> None:
+        # Steps sent and not answered yet, oldest first: the policy that planned
+        # each (a lost worker gets a new one), the plan, and when it was sent.
+        sent: deque[tuple[BatchPolicy, StepPlan, int]] = deque()
+        last_answer_us = 0
         while True:
             await self._ready.wait()
             policy = self.policy
-            plan = policy.schedule() if policy else None
-            if plan is None:
+            assert policy is not None
+            if sent and sent[0][0] is not policy:  # the worker was lost: those answers will not come
+                sent.clear()
+                self.worker.reset()
+            plan = policy.schedule() if len(sent) < 2 else None
+            if plan is not None:
+                try:
+                    await self.worker.send(plan)
+                except WorkerError as exc:
+                    self._step_failed(policy, plan, exc)
+                    sent.clear()
+                    continue
+                sent.append((policy, plan, now_us()))
+                if len(sent) < 2:
+                    continue  # plan the next step while this one runs
+            if not sent:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
-            started = now_us()
+            planned_by, plan, sent_us = sent.popleft()
             try:
-                sampled = await self.worker.step(plan)
+                sampled = await self.worker.receive()
             except WorkerError as exc:
-                log.error("step %d failed: %s", plan.step_id, exc)
-                self._fail_all(str(exc))
+                self._step_failed(planned_by, plan, exc)
+                sent.clear()
                 continue
+            finished_us = now_us()
+            # Queued behind the step before it, it started when that one was done.
+            started_us, last_answer_us = max(sent_us, last_answer_us), finished_us
             self.num_steps += 1
-            for seq, event in policy.postprocess(plan, sampled, started, now_us()):
+            for seq, event in planned_by.postprocess(plan, sampled, started_us, finished_us):
                 stream = self._streams.get(seq.request_id)
                 if stream is not None:
                     stream.put_nowait((seq, event))
+
+    def _step_failed(self, planned_by: BatchPolicy, plan: StepPlan, exc: WorkerError) -> None:
+        log.error("step %d failed: %s", plan.step_id, exc)
+        if planned_by is self.policy:  # else the worker was already found lost
+            self._fail_all(str(exc))
 
     def _fail_all(self, message: str) -> None:
         """The worker's KV state is gone: every sequence on it ends with an error."""

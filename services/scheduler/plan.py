@@ -19,20 +19,29 @@ class WorkerCapacity:
 
 @dataclass(frozen=True)
 class ScheduledSequence:
-    """One sequence's part of a step: `num_new_tokens` tokens from `num_computed_tokens` on."""
+    """One sequence's part of a step: `num_new_tokens` tokens from `num_computed_tokens` on.
+
+    Built by the policy only (`BatchPolicy._schedule_entry`), which fixes the
+    fields that depend on the sequence at planning time."""
 
     seq: Sequence
     num_computed_tokens: int
     num_new_tokens: int
-    # False for a prefill chunk that does not reach the end of the sequence. Fixed
-    # at planning: the sequence grows once the step's token is appended.
-    is_sampling: bool = field(init=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "is_sampling", self.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens)
+    # The input is the token sampled for the sequence in a step still running
+    # (planned ahead): the worker fills it in, and this step samples.
+    feeds_last_sampled: bool = False
+    # False for a prefill chunk that does not reach the end of the sequence.
+    is_sampling: bool = False
+    # The first step on the worker since admission: it carries the sampling parameters.
+    sends_sampling: bool = False
+    # The sequence's preemption count at planning: a step planned before a
+    # preemption no longer applies to it.
+    epoch: int = 0
 
     @property
     def token_ids(self) -> list[int]:
+        if self.feeds_last_sampled:
+            return []
         return self.seq.all_token_ids[self.num_computed_tokens : self.num_computed_tokens + self.num_new_tokens]
 
 

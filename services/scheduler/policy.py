@@ -17,6 +17,17 @@ prompt forks the others from it, sharing its full prompt blocks by reference
 count, and each computes only the prompt's tail (the last, partial block) itself.
 A preempted sibling is recomputed like any sequence (MindIE aborts such requests).
 
+Planning ahead: `schedule` may run once more while the step it planned last
+is still on the worker (the engine sends step N+1 before step N answers, so the
+worker never waits). A sequence in that step then continues from where the step
+leaves it: a prefill chunk goes on with the next chunk, and a sampling sequence
+decodes the token the worker is sampling now (`feeds_last_sampled`) — unless
+that token could end it (max_tokens reached) or the scheduler must see it
+first (beam selection, a thinking budget), in which case it waits a step. A
+sequence that finishes on the token it was waiting for has one wasted step,
+whose result is dropped; a preemption makes any planned step's result stale
+(`epoch`).
+
 Beam search (beam.py): its live beams are greedy sequences that offer candidates
 instead of taking a token. Once all have offered, the selected continuations
 extend their parents; a parent chosen more than once forks a new beam that
@@ -53,6 +64,10 @@ class BatchPolicy:
         self._to_release: list[int] = []
         # Block copies for the next step, by the seq id of the beam whose block is written.
         self._copies: dict[int, tuple[int, int]] = {}
+        # Planned steps not yet postprocessed (at most one at planning time) with
+        # their number of sequences, and each sequence's part of the latest of them.
+        self._outstanding: dict[int, int] = {}
+        self._planned: dict[int, ScheduledSequence] = {}
         self._next_step_id = 0
 
     # -- admission ---------------------------------------------------------
@@ -121,17 +136,21 @@ class BatchPolicy:
 
     # -- the three verbs -----------------------------------------------------
     def schedule(self) -> StepPlan | None:
-        """Plan the next step: decodes first, then prefill chunks while budget and blocks allow."""
+        """Plan the next step: decodes first, then prefill chunks while budget and blocks allow.
+
+        May be called once while the last planned step runs (see the module doc)."""
+        assert len(self._outstanding) <= 1, "plan at most one step ahead of the worker"
         batch: list[ScheduledSequence] = []
         has_preempted = self._schedule_decodes(batch)
         budget = self.max_prefill_tokens
         for seq in list(self.running):  # prompts part-way done continue first
-            if seq.status is not SequenceStatus.RUNNING or seq.num_tokens - seq.num_computed_tokens <= 1:
+            position = self._position(seq)
+            if seq.status is not SequenceStatus.RUNNING or position is None or position[1] - position[0] <= 1:
                 continue
             if budget == 0 or len(batch) >= self.max_batch_size:
                 break
             chunk = self._grow_chunk(seq, budget)
-            while chunk == 0 and not batch and self.running[-1] is not seq:
+            while chunk == 0 and not batch and not self._is_computing and self.running[-1] is not seq:
                 # Partial prompts hold every block and nothing decodes: no step would
                 # ever free one, so make room as a decode would.
                 self.preempt(self.running[-1])
@@ -139,8 +158,10 @@ class BatchPolicy:
                 chunk = self._grow_chunk(seq, budget)
             if chunk == 0:
                 break
-            batch.append(ScheduledSequence(seq, seq.num_computed_tokens, chunk))
+            batch.append(self._schedule_entry(seq, position[0], chunk))
             budget -= chunk
+        if not batch and not self._is_computing and self.running and self.waiting:
+            self._unblock_beam_search()
         # No admissions in a step that preempted: the room is for those already running.
         while self.waiting and not has_preempted and budget > 0 and len(batch) < self.max_batch_size:
             seq = self.waiting[0]
@@ -152,6 +173,9 @@ class BatchPolicy:
         plan = StepPlan(self._next_step_id, batch, self._to_release, list(self._copies.values()))
         self._next_step_id += 1
         self._to_release, self._copies = [], {}
+        self._outstanding[plan.step_id] = len(batch)
+        for entry in batch:
+            self._planned[entry.seq.seq_id] = entry
         return plan
 
     def postprocess(self, plan: StepPlan, sampled: dict[int, SampledToken], started_us: int,
@@ -159,11 +183,13 @@ class BatchPolicy:
         """Commit computed KV, append each sampled token with its statistics, finish what is done."""
         events = []
         searches: list[BeamSearch] = []  # beam searches whose every beam has offered
+        self._outstanding.pop(plan.step_id, None)
         for entry in plan.scheduled:
             seq = entry.seq
-            if seq.is_finished or seq.status is not SequenceStatus.RUNNING:  # aborted while the step ran
+            if self._planned.get(seq.seq_id) is entry:
+                del self._planned[seq.seq_id]
+            if seq.is_finished or entry.epoch != seq.epoch:  # ended or preempted after planning
                 continue
-            seq.is_sent_to_worker = True
             seq.num_computed_tokens = entry.num_computed_tokens + entry.num_new_tokens
             self.blocks.commit(seq)
             if not entry.is_sampling:
@@ -229,6 +255,7 @@ class BatchPolicy:
         if seq.beam is not None:
             seq.beam.drop(seq)
         self._copies.pop(seq.seq_id, None)
+        self._planned.pop(seq.seq_id, None)
         if seq.forks:
             self._orphan_forks(seq)
         if seq.status is SequenceStatus.FORK_PENDING:
@@ -253,6 +280,8 @@ class BatchPolicy:
         self.running.remove(seq)
         self.blocks.free(seq)
         self._copies.pop(seq.seq_id, None)
+        self._planned.pop(seq.seq_id, None)
+        seq.epoch += 1
         if seq.beam is not None:
             seq.beam.withdraw(seq)
         seq.num_computed_tokens = 0
@@ -263,8 +292,11 @@ class BatchPolicy:
         self.num_preemptions += 1
 
     def forget_worker_state(self) -> None:
-        """The worker restarted or died: nothing it held needs releasing any more."""
+        """The worker restarted or died: nothing it held needs releasing any more,
+        and no planned step will answer."""
         self._to_release = []
+        self._outstanding.clear()
+        self._planned.clear()
 
     # -- siblings ----------------------------------------------------------
     def _fork(self, leader: Sequence) -> None:
@@ -369,6 +401,26 @@ class BatchPolicy:
             self.waiting.appendleft(child)
         return child
 
+    def _unblock_beam_search(self) -> None:
+        """Nothing can run: every running sequence is a beam waiting for the others of
+        its search, which are queued without room (several searches share the pool).
+        The oldest queued search goes first: others' sequences make room (preempted,
+        newest first) and its beams move to the head of the queue. It fits the pool
+        alone (add_group), so it advances."""
+        queued = [seq for seq in self.waiting if seq.beam is not None]
+        if not queued:
+            return
+        search = min(queued, key=lambda seq: seq.arrival_us).beam
+        needed = sum(self.blocks.blocks_for(seq.num_tokens) for seq in queued if seq.beam is search)
+        while self.blocks.num_free_blocks < needed:
+            victim = next((seq for seq in reversed(self.running) if seq.beam is not search), None)
+            if victim is None:
+                break
+            self.preempt(victim)
+        mine = [seq for seq in self.waiting if seq.beam is search]
+        rest = [seq for seq in self.waiting if seq.beam is not search]
+        self.waiting = deque(mine + rest)
+
     def _end_beam_search(self, search: BeamSearch, reason: FinishReason) -> None:
         """End the search's live beams; results not yet filled end empty with `reason`."""
         for beam in list(search.beams):
@@ -378,32 +430,71 @@ class BatchPolicy:
                 result.status, result.finish_reason = SequenceStatus.FINISHED, reason
 
     # -- helpers -----------------------------------------------------------
+    @property
+    def _is_computing(self) -> bool:
+        """A planned step computes sequences: its results may let others go on."""
+        return any(self._outstanding.values())
+
+    def _position(self, seq: Sequence) -> tuple[int, int] | None:
+        """(tokens computed, tokens known) once the steps planned so far have run;
+        None while its next input is a token in flight that the scheduler must see first."""
+        entry = self._planned.get(seq.seq_id)
+        if entry is None:
+            return seq.num_computed_tokens, seq.num_tokens
+        computed = entry.num_computed_tokens + entry.num_new_tokens
+        if not entry.is_sampling:
+            return computed, seq.num_tokens
+        budget = seq.stopping.thinking_budget
+        if (seq.beam is not None or (budget is not None and not seq.is_thinking_done)
+                or len(seq.output_token_ids) + 1 >= seq.stopping.max_tokens):
+            return None
+        return computed, seq.num_tokens + 1  # the token in flight
+
+    def _schedule_entry(self, seq: Sequence, computed: int, num_new: int) -> ScheduledSequence:
+        total = computed + num_new
+        in_flight = self._planned.get(seq.seq_id)
+        feeds_last_sampled = in_flight is not None and in_flight.is_sampling
+        entry = ScheduledSequence(
+            seq, computed, num_new,
+            feeds_last_sampled=feeds_last_sampled,
+            is_sampling=feeds_last_sampled or total == seq.num_tokens,
+            sends_sampling=not seq.is_sent_to_worker,
+            epoch=seq.epoch,
+        )
+        seq.is_sent_to_worker = True
+        return entry
+
     def _schedule_decodes(self, batch: list[ScheduledSequence]) -> bool:
         """Add a one-token step for every decoding sequence; returns whether any was preempted."""
         has_preempted = False
         for seq in list(self.running):
-            if seq.status is not SequenceStatus.RUNNING or seq.num_tokens - seq.num_computed_tokens != 1:
+            position = self._position(seq)
+            if seq.status is not SequenceStatus.RUNNING or position is None or position[1] - position[0] != 1:
                 continue
             if len(batch) >= self.max_batch_size:
                 break
-            while not self.blocks.can_grow(seq, seq.num_tokens):
+            computed, total = position
+            while not self.blocks.can_grow(seq, total):
                 victim = self.running[-1]  # the newest: it has the least work to lose
                 self.preempt(victim)
                 has_preempted = True
                 if victim is seq:
                     break
             if seq.status is SequenceStatus.RUNNING:
-                self.blocks.grow(seq, seq.num_tokens)
-                batch.append(ScheduledSequence(seq, seq.num_computed_tokens, 1))
+                self.blocks.grow(seq, total)
+                batch.append(self._schedule_entry(seq, computed, 1))
         return has_preempted
 
     def _grow_chunk(self, seq: Sequence, budget: int) -> int:
         """Take blocks for the next prefill chunk of `seq`, as long as budget and blocks allow."""
-        end = min(seq.num_tokens, seq.num_computed_tokens + budget, self.blocks.max_tokens_for(seq))
-        if end <= seq.num_computed_tokens:
+        position = self._position(seq)
+        assert position is not None
+        computed, total = position
+        end = min(total, computed + budget, self.blocks.max_tokens_for(seq))
+        if end <= computed:
             return 0
         self.blocks.grow(seq, end)
-        return end - seq.num_computed_tokens
+        return end - computed
 
     def _admit(self, seq: Sequence, budget: int, batch: list[ScheduledSequence]) -> bool:
         # Penalties need the whole history on the worker, so those sequences skip the cache.
@@ -420,7 +511,7 @@ class BatchPolicy:
         self.waiting.popleft()
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
-        batch.append(ScheduledSequence(seq, cached, chunk))
+        batch.append(self._schedule_entry(seq, cached, chunk))
         return True
 
     def _check_finished(self, seq: Sequence, token_id: int) -> None:

@@ -95,8 +95,11 @@ class Sequence:
     last_event_us: int = 0
     # Tokens whose KV the worker holds (prefix-cache hits count from admission).
     num_computed_tokens: int = 0
-    # Whether the worker holds the sequence's sampling state (False again after preemption).
+    # Whether a step that gives the worker the sequence's sampling state is planned
+    # (False again after preemption).
     is_sent_to_worker: bool = False
+    # Preemptions so far: results of steps planned before the last one are stale.
+    epoch: int = 0
     # Prompt tokens served from the prefix cache, as reported with the first token.
     num_cached_tokens: int = 0
     # KV blocks on the worker, owned by the BlockManager, and the chain hashes of

@@ -1,6 +1,9 @@
-"""The scheduler's side of WorkerService: one Step message per engine step.
+"""The scheduler's side of WorkerService: one message per engine step on one
+StepStream, so that the next step can be sent while the last one runs.
 The only module (with convert.py) that touches worker protobufs."""
 from __future__ import annotations
+
+import asyncio
 
 import grpc
 
@@ -18,6 +21,7 @@ class WorkerClient:
         self.address = address
         self._channel = channel(address)
         self._stub = worker_pb2_grpc.WorkerServiceStub(self._channel)
+        self._steps: grpc.aio.StreamStreamCall | None = None
 
     async def is_serving(self) -> bool:
         return await is_serving(self._channel)
@@ -32,14 +36,42 @@ class WorkerClient:
         )
         return capacity, reply
 
-    async def step(self, plan: StepPlan) -> dict[int, SampledToken]:
+    async def send(self, plan: StepPlan) -> None:
+        """Send a step; its answer comes from `receive`, after those of the steps sent before it."""
+        if self._steps is None:
+            self._steps = self._stub.StepStream()
         try:
-            reply = await self._stub.Step(step_request(plan))
+            await self._steps.write(worker_pb2.StepStreamRequest(step=step_request(plan)))
         except grpc.aio.AioRpcError as exc:
-            raise WorkerError(f"worker {self.address}: {exc.code().name}: {exc.details()}") from exc
-        return sampled_tokens(reply)
+            raise self._lost(exc) from exc
+        except (grpc.aio.UsageError, asyncio.InvalidStateError) as exc:  # the stream had already ended
+            raise self._lost(exc) from exc
+
+    async def receive(self) -> dict[int, SampledToken]:
+        """The answer to the oldest step sent and not yet received."""
+        assert self._steps is not None, "receive before send"
+        try:
+            reply = await self._steps.read()
+        except grpc.aio.AioRpcError as exc:
+            raise self._lost(exc) from exc
+        if reply is grpc.aio.EOF:
+            raise self._lost(None)
+        return sampled_tokens(reply.step)
+
+    def reset(self) -> None:
+        """Drop the step stream (steps sent and not received are lost); the next send opens one."""
+        if self._steps is not None:
+            self._steps.cancel()
+            self._steps = None
+
+    def _lost(self, exc: BaseException | None) -> WorkerError:
+        self.reset()
+        if isinstance(exc, grpc.aio.AioRpcError):
+            return WorkerError(f"worker {self.address}: {exc.code().name}: {exc.details()}")
+        return WorkerError(f"worker {self.address}: the step stream ended ({exc or 'closed by the worker'})")
 
     async def close(self) -> None:
+        self.reset()
         await self._channel.close()
 
 
@@ -61,8 +93,9 @@ def _sequence_step(entry: ScheduledSequence) -> worker_pb2.SequenceStep:
         num_computed_tokens=entry.num_computed_tokens,
         sample=entry.is_sampling,
         block_table=seq.block_table,
+        feed_last_sampled=entry.feeds_last_sampled,
     )
-    if not seq.is_sent_to_worker:
+    if entry.sends_sampling:
         step.num_prompt_tokens = seq.num_prompt_tokens
         s = seq.sampling
         step.sampling.CopyFrom(

@@ -45,6 +45,7 @@ def step_from_proto(
             sampling=sampling_from_proto(s.sampling) if s.HasField("sampling") else None,
             block_table=list(s.block_table),
             num_prompt_tokens=s.num_prompt_tokens,
+            feed_last_sampled=s.feed_last_sampled,
         )
         for s in request.sequences
     ]

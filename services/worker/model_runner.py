@@ -13,6 +13,7 @@ Not thread-safe by design: the server calls `step` from one worker thread.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -81,6 +82,9 @@ class SequenceState:
     # Constrained decoding: the grammar state and how many outputs it has consumed.
     matcher: object | None = None
     num_grammar_tokens: int = 0
+    # The token sampled last, until the sequence is next fed: a step that feeds
+    # it without knowing it (feed_last_sampled) takes it from here.
+    last_sampled: int | None = None
 
 
 # input_ids [T] packed as the step lays them out, the step, the rows to return
@@ -201,6 +205,7 @@ class ModelRunner:
         self._validate_copies(block_copies)
         for seq_id in release_seq_ids:
             self.release(seq_id)
+        inputs = [self._resolve_last_sampled(s) for s in inputs]
         self.kv_pool.copy_blocks(list(block_copies))
         tokens: list[SampledToken] = []
         if inputs:
@@ -224,6 +229,7 @@ class ModelRunner:
         logits = self._run_model(inputs)
         for s in inputs:
             state = self.sequences[s.seq_id]
+            state.last_sampled = None  # fed now, or never: only the very next step may feed it
             if state.sampling.has_penalties:
                 self._record_fed_tokens(state, s)
             if state.matcher is not None:
@@ -264,6 +270,17 @@ class ModelRunner:
                     f"seq {s.seq_id}: {context} tokens exceed the model's {self.max_position_embeddings}"
                 )
             self._validate_block_table(s, context)
+
+    def _resolve_last_sampled(self, s: SequenceInput) -> SequenceInput:
+        if not s.feed_last_sampled:
+            return s
+        state = self.sequences.get(s.seq_id)
+        if s.token_ids or not s.sample or state is None or state.last_sampled is None:
+            raise invalid_argument(
+                f"seq {s.seq_id}: feed_last_sampled needs empty token_ids, sample, and a token sampled "
+                "for the sequence in the step before"
+            )
+        return dataclasses.replace(s, token_ids=[state.last_sampled], feed_last_sampled=False)
 
     def _validate_copies(self, copies: Sequence[tuple[int, int]]) -> None:
         num_blocks = self.kv_pool.num_blocks
@@ -372,6 +389,7 @@ class ModelRunner:
             if state.matcher is not None:
                 self.guided.advance(state.matcher, out.token_ids[i])
                 state.num_grammar_tokens += 1
+            state.last_sampled = out.token_ids[i]
             tokens.append(SampledToken(s.seq_id, out.token_ids[i], out.logprobs[i], out.top_logprobs[i]))
         return tokens
 

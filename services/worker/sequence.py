@@ -71,6 +71,9 @@ class SequenceInput:
     the scheduler's block ids for the sequence, covering num_computed_tokens +
     len(token_ids) tokens. num_prompt_tokens: on a first step, how many tokens
     are prompt (0 = all); later tokens are outputs recomputed after preemption.
+    feed_last_sampled: token_ids is empty and the input is the token sampled for
+    the sequence in its previous step (the caller planned this step before it
+    saw that one's result).
     """
 
     seq_id: int
@@ -80,6 +83,7 @@ class SequenceInput:
     sampling: SamplingParams | None = None
     block_table: list[int] = field(default_factory=list)
     num_prompt_tokens: int = 0
+    feed_last_sampled: bool = False
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,12 @@ from stormserve.worker.v1 import worker_pb2, worker_pb2_grpc
 log = logging.getLogger(__name__)
 
 
+class _StreamState:
+    """Shared by the steps of one stream: once one fails, the rest are not run."""
+
+    failed = False
+
+
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     """Answers UNAVAILABLE until `attach` hands it a loaded, warmed-up runner."""
 
@@ -50,16 +56,56 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         return self._description
 
     async def Step(self, request: worker_pb2.StepRequest, context) -> worker_pb2.StepResponse:
-        runner = self._require_runner()
-        inputs, release_seq_ids, block_copies = convert.step_from_proto(request)
-        loop = asyncio.get_running_loop()
-        result = await loop.run_in_executor(self._executor, runner.step, inputs, release_seq_ids, block_copies)
-        log.debug(
-            "step %d: %d sequences, %d tokens, %d released, %.1f ms",
-            request.step_id, len(inputs), sum(len(s.token_ids) for s in inputs),
-            len(release_seq_ids), result.execute_time_us / 1000,
-        )
-        return convert.step_to_proto(request.step_id, result)
+        return await self._submit(request, _StreamState())
+
+    async def StepStream(self, request_iterator, context):
+        """Each step goes to the step thread as soon as it arrives (the thread runs
+        them in arrival order), and the answers go back in that order."""
+        state = _StreamState()
+        answers: asyncio.Queue[asyncio.Task | None] = asyncio.Queue()
+
+        async def read() -> None:
+            async for message in request_iterator:
+                answers.put_nowait(asyncio.create_task(self._submit(message.step, state)))
+            answers.put_nowait(None)
+
+        reader = asyncio.create_task(read())
+        try:
+            while (answer := await answers.get()) is not None:
+                yield worker_pb2.StepStreamResponse(step=await answer)
+            await reader
+        finally:
+            reader.cancel()
+            while not answers.empty():
+                if (pending := answers.get_nowait()) is not None:
+                    pending.cancel()
+
+    async def _submit(self, request: worker_pb2.StepRequest, state: _StreamState) -> worker_pb2.StepResponse:
+        # Hands the step to the step thread before its first await: steps submitted
+        # one after the other (tasks start in creation order) run in that order.
+        try:
+            runner = self._require_runner()
+            inputs, release_seq_ids, block_copies = convert.step_from_proto(request)
+        except BaseException:
+            state.failed = True
+            raise
+
+        def run() -> worker_pb2.StepResponse:
+            if state.failed:
+                raise ServiceError(grpc.StatusCode.ABORTED, "an earlier step on this stream failed")
+            try:
+                result = runner.step(inputs, release_seq_ids, block_copies)
+            except BaseException:
+                state.failed = True
+                raise
+            log.debug(
+                "step %d: %d sequences, %d tokens, %d released, %d copies, %.1f ms",
+                request.step_id, len(inputs), sum(len(s.token_ids) for s in inputs),
+                len(release_seq_ids), len(block_copies), result.execute_time_us / 1000,
+            )
+            return convert.step_to_proto(request.step_id, result)
+
+        return await asyncio.get_running_loop().run_in_executor(self._executor, run)
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)

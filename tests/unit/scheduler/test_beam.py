@@ -186,6 +186,26 @@ def test_preemption_under_a_tight_pool_still_gives_the_same_beams():
     assert_no_leak(policy)
 
 
+@pytest.mark.parametrize("prompt_len, max_tokens, num_blocks", [(2, 5, 8), (3, 4, 8), (8, 7, 12)])
+def test_searches_that_fit_the_pool_only_one_at_a_time_both_finish(prompt_len, max_tokens, num_blocks):
+    # Each search alone fits (3 beams x its length); together, beams of each wait
+    # for room the other holds, until the older one is let through whole.
+    policy = make_policy(num_blocks=num_blocks, max_prefill_tokens=16)
+    worker = FakeWorker(policy=policy)
+    searches = []
+    for first_id, start in ((100, 30), (200, 40)):
+        prompt = list(range(start, start + prompt_len))
+        req = beam_request(prompt_len=prompt_len, n=2, best_of=3, max_tokens=max_tokens, ignore_eos=True)
+        req.prompt_token_ids[:] = prompt
+        results, _ = build(req, first_id=first_id)
+        policy.add_group(results)
+        searches.append((results, prompt))
+    run_to_end(policy, worker, max_steps=2_000)
+    for results, prompt in searches:
+        assert_same(results_of(results), search_without_kv(prompt, 3, 2, max_tokens, ignore_eos=True))
+    assert_no_leak(policy)
+
+
 def test_a_lost_worker_ends_the_search_without_leaks():
     policy = make_policy()
     worker = FakeWorker(policy=policy)

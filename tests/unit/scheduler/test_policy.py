@@ -43,6 +43,7 @@ class FakeWorker:
         self.policy = policy
         self.slots: dict[int, int] = {}
         self.computed: dict[int, int] = {}  # seq_id -> tokens the worker holds
+        self.last_sampled: dict[int, int] = {}  # seq_id -> token sampled and not fed yet
         self.fed: list[list[tuple[int, list[int], int]]] = []
         self.released: list[int] = []
         self.num_first_steps = 0
@@ -52,6 +53,7 @@ class FakeWorker:
         self.released.extend(plan.release_seq_ids)
         for seq_id in plan.release_seq_ids:
             self.computed.pop(seq_id, None)
+            self.last_sampled.pop(seq_id, None)
         copied = {
             dst * BLOCK_SIZE + o: self.slots.get(src * BLOCK_SIZE + o)
             for src, dst in plan.block_copies for o in range(BLOCK_SIZE)
@@ -66,13 +68,18 @@ class FakeWorker:
             seq, table = e.seq, e.seq.block_table
             if seq.seq_id in self.computed:
                 assert e.num_computed_tokens == self.computed[seq.seq_id]
-                assert seq.is_sent_to_worker
+                assert not e.sends_sampling
             else:
-                assert not seq.is_sent_to_worker, "sampling must come with a first step"
+                assert e.sends_sampling, "sampling must come with a first step"
                 self.num_first_steps += 1
             end = e.num_computed_tokens + e.num_new_tokens
             assert len(table) * BLOCK_SIZE >= end
-            for position, token in enumerate(e.token_ids, start=e.num_computed_tokens):
+            token_ids = e.token_ids
+            if e.feeds_last_sampled:
+                assert not token_ids and e.is_sampling
+                token_ids = [self.last_sampled[seq.seq_id]]
+            self.last_sampled.pop(seq.seq_id, None)
+            for position, token in enumerate(token_ids, start=e.num_computed_tokens):
                 block = table[position // BLOCK_SIZE]
                 if self.policy is not None:
                     assert self.policy.blocks.blocks[block].ref_count == 1, "write into a shared block"
@@ -89,6 +96,7 @@ class FakeWorker:
                     alternatives = tuple(distribution(context)[: seq.sampling.top_logprobs])
                     token, logprob = alternatives[0]
                 sampled[seq.seq_id] = SampledToken(seq.seq_id, token, logprob, alternatives)
+                self.last_sampled[seq.seq_id] = token
         return sampled
 
 

@@ -90,3 +90,55 @@ def test_unavailable_until_the_model_is_loaded():
         return info.value.code()
 
     assert asyncio.run(_with_server(WorkerServicer(), calls)) == grpc.StatusCode.UNAVAILABLE
+
+
+def test_step_stream_runs_steps_sent_ahead_in_order(runner: ModelRunner):
+    """Step 2 is sent before step 1's answer and feeds the token step 1 samples;
+    the answers come back in order and match the same steps run one by one."""
+    prompt = [10, 11, 12, 13, 14]
+
+    def first(seq_id):
+        return worker_pb2.StepRequest(step_id=1, sequences=[worker_pb2.SequenceStep(
+            seq_id=seq_id, token_ids=prompt, sample=True, sampling=_sampling(top_logprobs=0), block_table=[0, 1])])
+
+    async def calls(stub):
+        # One by one, with the token known.
+        one = await stub.Step(first(901))
+        two = await stub.Step(worker_pb2.StepRequest(step_id=2, sequences=[
+            worker_pb2.SequenceStep(seq_id=901, token_ids=[one.tokens[0].token_id], num_computed_tokens=5,
+                                    sample=True, block_table=[0, 1])]))
+        await stub.Step(worker_pb2.StepRequest(step_id=3, release_seq_ids=[901]))
+        # Ahead, on one stream: both sent before either answer is read.
+        stream = stub.StepStream()
+        await stream.write(worker_pb2.StepStreamRequest(step=first(902)))
+        await stream.write(worker_pb2.StepStreamRequest(step=worker_pb2.StepRequest(
+            step_id=2, sequences=[worker_pb2.SequenceStep(
+                seq_id=902, num_computed_tokens=5, sample=True, block_table=[0, 1], feed_last_sampled=True)])))
+        await stream.write(worker_pb2.StepStreamRequest(step=worker_pb2.StepRequest(step_id=3, release_seq_ids=[902])))
+        await stream.done_writing()
+        answers = [reply.step async for reply in stream]
+        return (one, two), answers
+
+    (one, two), answers = asyncio.run(_with_server(WorkerServicer(runner), calls))
+    assert [a.step_id for a in answers] == [1, 2, 3]
+    assert [a.tokens[0].token_id for a in answers[:2]] == [one.tokens[0].token_id, two.tokens[0].token_id]
+    assert answers[1].tokens[0].logprob == pytest.approx(two.tokens[0].logprob, abs=1e-5)
+    assert 902 not in runner.sequences
+
+
+def test_step_stream_ends_at_a_failed_step_and_runs_nothing_after_it(runner: ModelRunner):
+    async def calls(stub):
+        stream = stub.StepStream()
+        bad = worker_pb2.SequenceStep(seq_id=903, num_computed_tokens=0, sample=True, sampling=_sampling(),
+                                      block_table=[0], feed_last_sampled=True)  # nothing was sampled
+        after = worker_pb2.SequenceStep(seq_id=904, token_ids=[1, 2], sample=True, sampling=_sampling(),
+                                        block_table=[1])
+        await stream.write(worker_pb2.StepStreamRequest(step=worker_pb2.StepRequest(step_id=1, sequences=[bad])))
+        await stream.write(worker_pb2.StepStreamRequest(step=worker_pb2.StepRequest(step_id=2, sequences=[after])))
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stream.read()
+        return info.value
+
+    error = asyncio.run(_with_server(WorkerServicer(runner), calls))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "feed_last_sampled" in error.details()
+    assert 904 not in runner.sequences

@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from services.worker.penalties import apply_penalties
-from services.worker.sampler import MIN_LOGPROB, NUCLEUS_CANDIDATES, sample
+from services.worker.sampler import MIN_LOGPROB, NUCLEUS_CANDIDATES, argmax_rows, sample
 from services.worker.sequence import SamplingParams
 
 VOCAB = 1000
@@ -158,3 +159,14 @@ def test_rows_widened_for_a_flat_nucleus_do_not_disturb_the_others():
         alone = [sample(logits_row[None], [params[row]], [alone_generator]) for _ in range(30)]
         assert [b.token_ids[row] for b in batched] == [a.token_ids[0] for a in alone]
         assert [b.top_logprobs[row] for b in batched] == [a.top_logprobs[0] for a in alone]
+
+
+@pytest.mark.parametrize("width", [7, 1024, 49152, 151936])
+def test_argmax_rows_is_the_first_maximum_of_each_row(width):
+    x = torch.randn(6, width)
+    x[1, width - 1] = 50.0  # in the padded last block
+    x[2, :] = 0.0  # every column ties: the first
+    x[3, [3, width // 2, width - 2]] = 40.0  # ties across blocks: the first
+    x[4, 0] = float("inf")
+    torch.testing.assert_close(argmax_rows(x), x.argmax(dim=1))
+    torch.testing.assert_close(argmax_rows(x.bfloat16()), x.bfloat16().argmax(dim=1))

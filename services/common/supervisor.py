@@ -22,6 +22,8 @@ from pathlib import Path
 
 PR_SET_PDEATHSIG = 1
 STOP_GRACE_S = 15.0
+# Set in each child's environment to our pid: see exit_with_supervisor.
+SUPERVISOR_PID_ENV = "STORMSERVE_SUPERVISOR_PID"
 
 
 def free_port() -> int:
@@ -30,8 +32,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:
+def exit_with_supervisor() -> None:
+    """Called first by each service's main: if a supervisor started it, the service
+    gets SIGTERM (and drains) when the supervisor dies, even by SIGKILL.
+
+    The child asks for this itself rather than in a Popen preexec_fn: a preexec_fn
+    makes Popen fork instead of vfork, so the fork handlers of gRPC (which the
+    tests use in the same process) run in the child and can abort it before it
+    execs (grpcio 1.81 and later, grpc/grpc#43055)."""
+    supervisor = os.environ.pop(SUPERVISOR_PID_ENV, None)
+    if supervisor is None:
+        return
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != int(supervisor):  # it died before we asked
+        raise SystemExit(f"the supervisor (pid {supervisor}) that started this service is gone")
 
 
 @dataclass
@@ -71,7 +85,7 @@ class Chain:
 
     def _spawn(self, name: str, module: str, *args: str) -> None:
         self._commands[name] = (module, *args)
-        env = {**os.environ, **self.env}
+        env = {**os.environ, **self.env, SUPERVISOR_PID_ENV: str(os.getpid())}
         root = Path(__file__).resolve().parents[2]
         env["PYTHONPATH"] = os.pathsep.join([str(root / "gen"), str(root), env.get("PYTHONPATH", "")])
         out = None
@@ -82,7 +96,7 @@ class Chain:
             [sys.executable, "-m", module, *args], env=env, cwd=root, stdout=out, stderr=out,
             # Own session: a terminal's Ctrl-C reaches only us, and we stop the
             # children in order with SIGTERM.
-            preexec_fn=_die_with_parent, start_new_session=True,
+            start_new_session=True,
         )
 
     def wait_ready(self, timeout_s: float = 300.0) -> None:

@@ -5,11 +5,13 @@ from collections.abc import Sequence
 
 from services.common.config import load_config
 from services.common.log import setup_logging
+from services.common.supervisor import exit_with_supervisor
 from services.http_edge.config import EdgeConfig
 from services.http_edge.server import run
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    exit_with_supervisor()
     setup_logging("http_edge")
     run(load_config(EdgeConfig, argv))
 

@@ -6,6 +6,7 @@ import asyncio
 from services.common.config import load_config
 from services.common.grpc_server import GrpcService
 from services.common.log import setup_logging
+from services.common.supervisor import exit_with_supervisor
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.engine import EngineLoop
 from services.scheduler.router import Router
@@ -17,6 +18,7 @@ READY_POLL_S = 0.5
 
 
 async def main() -> None:
+    exit_with_supervisor()
     config = load_config(SchedulerConfig)
     log = setup_logging("scheduler")
     engines = [

@@ -8,6 +8,7 @@ from transformers import AutoConfig, AutoTokenizer
 from services.common.config import load_config
 from services.common.grpc_server import GrpcService, channel, is_serving
 from services.common.log import setup_logging
+from services.common.supervisor import exit_with_supervisor
 from services.common.model_files import resolve_model
 from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.server import ChatServicer, TokenizerCore, TokenizerServicer
@@ -19,6 +20,7 @@ UPSTREAM_POLL_S = 1.0
 
 
 async def main() -> None:
+    exit_with_supervisor()
     config = load_config(TokenizerConfig)
     log = setup_logging("tokenizer")
     service = GrpcService("tokenizer", config.host, config.port)

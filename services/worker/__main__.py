@@ -8,6 +8,7 @@ import logging
 from services.common.config import load_config
 from services.common.grpc_server import GrpcService
 from services.common.log import setup_logging
+from services.common.supervisor import exit_with_supervisor
 from services.common.model_files import resolve_model
 from services.worker.backend import select_backend
 from services.worker.config import WorkerConfig
@@ -50,6 +51,7 @@ async def serve(config: WorkerConfig, log: logging.Logger) -> None:
 
 
 def main() -> None:
+    exit_with_supervisor()
     config = load_config(WorkerConfig)
     log = setup_logging("worker")
     log.info("config: %s", config)

@@ -85,7 +85,7 @@ def run_level(runner: ModelRunner, policy: BatchPolicy, prompts: list[list[int]]
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-path", default="", help="HF directory or .gguf; empty = the bundled model")
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default="auto", help="as the worker's dtype setting")
     parser.add_argument("--kv-cache-mib", type=int, default=1024)
     parser.add_argument("--cache-block-size", type=int, default=16)
     parser.add_argument("--max-batch-size", type=int, default=64)
@@ -101,7 +101,8 @@ def main() -> None:
 
     model_dir = resolve_model(args.model_path or default_model_path())
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    runner = ModelRunner(model_dir, select_backend("cpu"), args.dtype, args.cache_block_size,
+    backend = select_backend("cpu")
+    runner = ModelRunner(model_dir, backend, backend.resolve_dtype(args.dtype), args.cache_block_size,
                          args.kv_cache_mib * 2**20, args.max_batch_size)
     runner.warm_up()
     info = runner.describe()

@@ -24,7 +24,7 @@ def load_runner(config: WorkerConfig) -> ModelRunner:
     runner = ModelRunner(
         resolve_model(config.model_path),
         backend,
-        dtype=config.dtype,
+        dtype=backend.resolve_dtype(config.dtype),
         block_size=config.cache_block_size,
         kv_cache_bytes=config.kv_cache_mib * 2**20,
         max_batch_size=config.max_batch_size,

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from services.common.config import require, setting
 
 DEVICES = ("auto", "cpu", "cuda", "npu")
-DTYPES = ("bfloat16", "float16", "float32")
+DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 
 @dataclass(frozen=True)
@@ -20,7 +20,10 @@ class WorkerConfig:
         alias="modelWeightPath",
     )
     device: str = setting("auto", "auto, cpu, cuda or npu (auto: cuda, then npu, then cpu)")
-    dtype: str = setting("bfloat16", "weight and KV cache dtype: bfloat16, float16 or float32")
+    dtype: str = setting(
+        "auto", "weight and KV cache dtype: auto, bfloat16, float16 or float32 "
+        "(auto: bfloat16, or float32 on a CPU without native bfloat16)",
+    )
     cache_block_size: int = setting(16, "tokens per KV cache block", alias="cacheBlockSize")
     kv_cache_mib: int = setting(1024, "memory budget of the KV cache pool in MiB")
     max_batch_size: int = setting(64, "most sequences in one step", alias="maxBatchSize")

@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.worker.backend import select_backend
-from services.worker.int4 import pack_if_4bit
+from services.worker.backend import cpu_computes_bfloat16, select_backend
+from services.worker.int4 import int4_linear, pack_if_4bit
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -50,3 +50,14 @@ def test_4bit_weights_give_the_same_products_on_either_kernel(rows: int):
     expected = F.linear(x, weight, bias)
     got = linear(x.bfloat16()).float()
     torch.testing.assert_close(got, expected, atol=0.05, rtol=0.02)
+    # The int4 kernel itself, also where the backend does not pick it.
+    packed = pack_if_4bit(weight.bfloat16())
+    assert packed is not None
+    got = (int4_linear(x.bfloat16(), *packed) + bias.bfloat16()).float()
+    torch.testing.assert_close(got, expected, atol=0.05, rtol=0.02)
+
+
+def test_auto_dtype_is_bfloat16_only_where_the_cpu_computes_it():
+    cpu = select_backend("cpu")
+    assert cpu.resolve_dtype("auto") == ("bfloat16" if cpu_computes_bfloat16() else "float32")
+    assert [cpu.resolve_dtype(name) for name in ("bfloat16", "float16", "float32")] == ["bfloat16", "float16", "float32"]

@@ -9,7 +9,7 @@ from services.worker.config import WorkerConfig
 
 def test_defaults():
     config = load_config(WorkerConfig, [], {})
-    assert (config.port, config.dtype) == (50053, "bfloat16")
+    assert (config.port, config.dtype) == (50053, "auto")
     assert (config.cache_block_size, config.max_batch_size, config.kv_cache_mib) == (16, 64, 1024)
 
 

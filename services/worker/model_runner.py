@@ -396,13 +396,13 @@ class ModelRunner:
     @staticmethod
     def _skip_recomputed_draws(state: SequenceState) -> None:
         """Advance the generator past outputs sampled before a preemption (the
-        sampler draws one scalar per token of a non-greedy sequence)."""
+        sampler takes one number per token of a non-greedy sequence)."""
         if state.num_prompt_tokens is None:
             state.num_prompt_tokens = state.num_cached_tokens
         num_outputs_before = state.num_cached_tokens - state.num_prompt_tokens
         if state.generator is not None:
             for _ in range(num_outputs_before - state.num_draws):
-                torch.rand((), generator=state.generator)
+                sampler.draw_uniform(state.generator)
         state.num_draws = num_outputs_before + 1
 
     def warm_up(self) -> None:

@@ -6,11 +6,21 @@ takes the best token, and its filters apply at temperature 1 so that its
 logprobs describe the same distribution.
 
 Reproducibility: each sequence owns a CPU torch.Generator seeded once, and a
-draw consumes exactly one uniform number from it; the token is where that number
-falls in the row's CDF (inverse-CDF sampling). So a seed gives the same tokens
-whatever else shares the batch (and on any device: the generator is on the CPU,
-one [B] tensor is copied over). One scalar per row is also far cheaper than a
-vocab-wide noise vector per row on CPU.
+draw takes one uniform number from it; the token is where that number falls in
+the CDF of the row's candidates, best first (inverse-CDF sampling). So a seed
+gives the same tokens whatever else shares the batch (and on any device: the
+generator is on the CPU, one [B] tensor is copied over). One scalar per row is
+also far cheaper than a vocab-wide noise vector per row on CPU (~1 ms per row).
+
+Best first matters: another batch size can change the logits in their last bits
+(a different matmul kernel), and a CDF in vocabulary order interleaves the
+likely tokens with thousands of unlikely ones whose boundaries those bits move,
+so a draw would change token every few dozen steps. Best first, the boundaries
+that move are few and far apart. A row over the whole vocabulary takes its
+number through the CDF of its HEAD_CANDIDATES best tokens; only when the number
+falls beyond them (in the long tail) does it draw the tail token by an
+exponential race (argmax p / E, E ~ Exp(1) seeded from that number), which tiny
+changes in p do not move either.
 
 Top-k / top-p only look at each row's best candidates (one batched topk), not a
 full-vocab sort (a 49k-entry sort costs ~8 ms per row on CPU); a top-p row
@@ -31,6 +41,8 @@ from services.worker.sequence import SamplingParams, TokenLogprob
 MIN_LOGPROB = -9999.0
 # First candidate count for a top-p row without top-k; grown 8x while too small.
 NUCLEUS_CANDIDATES = 1024
+# Best tokens of a full-vocabulary row whose CDF the uniform number goes through.
+HEAD_CANDIDATES = 64
 # Width of the blocks argmax_rows reduces first.
 ARGMAX_BLOCK = 1024
 
@@ -110,17 +122,45 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return best_block * ARGMAX_BLOCK + inner
 
 
+def _draw_sorted(logprobs: torch.Tensor, uniforms: list[float]) -> torch.Tensor:
+    """Column per row where its number falls in the CDF of columns sorted best first."""
+    cdf = logprobs.exp().cumsum(dim=1)
+    targets = torch.tensor(uniforms, device=cdf.device) * cdf[:, -1]  # scaled by the total: immune to rounding
+    return torch.searchsorted(cdf, targets[:, None], right=True)[:, 0].clamp(max=cdf.shape[1] - 1)
+
+
+def _draw_from_vocab(logprobs: torch.Tensor, uniforms: list[float]) -> torch.Tensor:
+    """Column (= token id) per row of full-vocabulary log-probs: the head's CDF best
+    first, or an exponential race over the rest when the number falls beyond it.
+    The race's noise is seeded from the number itself, so a draw still takes one
+    number from the sequence's generator (a recomputed sequence skips draws by count)."""
+    vocab_size = logprobs.shape[1]
+    head_logprobs, head_ids = torch.topk(logprobs, min(HEAD_CANDIDATES, vocab_size), dim=1)
+    cdf = head_logprobs.exp().cumsum(dim=1)
+    drawn = torch.searchsorted(cdf, torch.tensor(uniforms, device=cdf.device)[:, None], right=True)[:, 0]
+    columns = head_ids.gather(1, drawn.clamp(max=cdf.shape[1] - 1)[:, None])[:, 0]
+    if cdf.shape[1] == vocab_size:
+        return columns
+    for row in (drawn >= cdf.shape[1]).nonzero().flatten().tolist():
+        noise_source = torch.Generator().manual_seed(int(uniforms[row] * 2**53))
+        noise = torch.empty(vocab_size).exponential_(generator=noise_source)
+        scores = logprobs[row] - noise.log().to(logprobs.device)
+        scores[head_ids[row]] = float("-inf")
+        best = argmax_rows(scores[None])[0]
+        if scores[best] > float("-inf"):  # else the tail holds no mass: keep the head's last
+            columns[row] = best
+    return columns
+
+
 def _choose(
-    dist: _Distribution, params: list[SamplingParams], uniforms: torch.Tensor
+    dist: _Distribution, params: list[SamplingParams], uniforms: list[float]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Column of the chosen token per row: argmax for greedy rows, inverse CDF otherwise."""
+    """Column of the chosen token per row: argmax for greedy rows, a seeded draw otherwise."""
     choice = argmax_rows(dist.logprobs)
     random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
     if random_rows:
-        cdf = dist.logprobs[random_rows].exp().cumsum(dim=1)
-        targets = uniforms[random_rows] * cdf[:, -1]  # scaled by the total: immune to rounding
-        drawn = torch.searchsorted(cdf, targets[:, None], right=True)[:, 0]
-        choice[random_rows] = drawn.clamp(max=cdf.shape[1] - 1)
+        draw = _draw_from_vocab if dist.ids is None else _draw_sorted  # candidates: sorted already
+        choice[random_rows] = draw(dist.logprobs[random_rows], [uniforms[i] for i in random_rows])
     chosen_logprobs = dist.logprobs.gather(1, choice[:, None])[:, 0]
     tokens = choice if dist.ids is None else dist.ids.gather(1, choice[:, None])[:, 0]
     return tokens, chosen_logprobs
@@ -134,7 +174,7 @@ def _alternatives(dist: _Distribution, count: int) -> tuple[torch.Tensor, torch.
 
 
 def _sample_group(
-    scaled: torch.Tensor, params: list[SamplingParams], uniforms: torch.Tensor, is_filtered: bool
+    scaled: torch.Tensor, params: list[SamplingParams], uniforms: list[float], is_filtered: bool
 ) -> tuple[list[int], list[float | None], list[list[TokenLogprob]]]:
     """Tokens, logprobs and alternatives for rows that share a path (plain or filtered)."""
     num_rows = len(params)
@@ -157,6 +197,11 @@ def _sample_group(
     return tokens.tolist(), logprobs, alternatives
 
 
+def draw_uniform(generator: torch.Generator | None) -> float:
+    """The one number a draw takes from a sequence's generator, in [0, 1)."""
+    return float(torch.rand((), dtype=torch.float64, generator=generator))
+
+
 def sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
@@ -168,10 +213,7 @@ def sample(
     scaled = logits.float()
     if any(not p.is_greedy and p.temperature != 1.0 for p in params):
         scaled = scaled / torch.tensor([1.0 if p.is_greedy else p.temperature for p in params], device=device)[:, None]
-    uniforms = torch.tensor(
-        [0.0 if p.is_greedy else float(torch.rand((), generator=g)) for p, g in zip(params, generators)],
-        device=device,
-    )
+    uniforms = [0.0 if p.is_greedy else draw_uniform(g) for p, g in zip(params, generators)]
     token_ids = [0] * num_rows
     logprobs: list[float | None] = [None] * num_rows
     alternatives: list[list[TokenLogprob]] = [[] for _ in range(num_rows)]
@@ -183,7 +225,7 @@ def sample(
         if len(rows) == num_rows:  # one path for all: no copy of the logits
             group = _sample_group(scaled, params, uniforms, path)
         else:
-            group = _sample_group(scaled[rows], [params[i] for i in rows], uniforms[rows], path)
+            group = _sample_group(scaled[rows], [params[i] for i in rows], [uniforms[i] for i in rows], path)
         for n, row in enumerate(rows):
             token_ids[row], logprobs[row], alternatives[row] = group[0][n], group[1][n], group[2][n]
     return SampleOutput(token_ids, logprobs, alternatives)

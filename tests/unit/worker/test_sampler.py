@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from services.worker.penalties import apply_penalties
-from services.worker.sampler import MIN_LOGPROB, NUCLEUS_CANDIDATES, argmax_rows, sample
+from services.worker.sampler import HEAD_CANDIDATES, MIN_LOGPROB, NUCLEUS_CANDIDATES, argmax_rows, sample
 from services.worker.sequence import SamplingParams
 
 VOCAB = 1000
@@ -88,6 +88,43 @@ def test_sampling_follows_the_distribution():
     share = [draws.count(t) / len(draws) for t in range(3)]
     assert abs(share[0] - 0.6) < 0.05 and abs(share[1] - 0.3) < 0.05 and abs(share[2] - 0.1) < 0.03
     assert set(draws) <= {0, 1, 2}
+
+
+def _model_like_logits(vocab: int, seed: int) -> torch.Tensor:
+    """A few likely tokens scattered through a long tail, like a language model's."""
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(vocab, generator=generator) * 2
+    logits[torch.randperm(vocab, generator=generator)[:8]] += 7
+    return logits
+
+
+def test_sampling_reaches_the_tail_in_proportion():
+    """Beyond the head's best tokens the draw is a race; the shares stay exact."""
+    vocab = 4096
+    logits = _model_like_logits(vocab, seed=13)
+    probs = logits.softmax(0)
+    head = set(torch.topk(probs, HEAD_CANDIDATES).indices.tolist())
+    tail_mass = 1 - probs[list(head)].sum().item()
+    assert 0.2 < tail_mass < 0.8  # both ways of drawing get exercised
+    draws = _draws(logits, SamplingParams(temperature=1.0, seed=14), 3000)
+    tail_share = sum(t not in head for t in draws) / len(draws)
+    assert abs(tail_share - tail_mass) < 4 * math.sqrt(tail_mass * (1 - tail_mass) / len(draws))
+    best = int(probs.argmax())
+    assert abs(draws.count(best) / len(draws) - probs[best].item()) < 0.03
+    assert len({t for t in draws if t not in head}) > 100  # the race spreads over the tail
+
+
+def test_a_rounding_change_in_the_logits_does_not_change_seeded_draws():
+    """Another batch size can change logits in their last bits (another matmul
+    kernel); a seeded draw must not move with them. A CDF in vocabulary order moves
+    tens of these 1000 draws."""
+    vocab = 49152
+    logits = _model_like_logits(vocab, seed=15)[None]
+    nudged = logits * (1 + 1e-6 * torch.randn(logits.shape, generator=torch.Generator().manual_seed(16)))
+    params = SamplingParams(temperature=1.0)
+    for seed in range(1000):
+        first = sample(logits, [params], [_generator(seed)]).token_ids
+        assert sample(nudged, [params], [_generator(seed)]).token_ids == first, seed
 
 
 def test_logprobs_describe_the_sampled_distribution():

@@ -1,7 +1,12 @@
 """Constrained decoding with llguidance: a sequence with a grammar (a JSON
 schema, or `{"type": "object"}` for json_object) only ever samples tokens the
 grammar allows, and ends with EOS once the grammar is complete. Masks are
-computed on the CPU and applied to the batched logits in one call."""
+computed on the CPU and applied to the batched logits in one call.
+
+The mask is applied with plain torch ops rather than llguidance.torch, whose
+kernel is a torch.compile function: importing it pulls in the compiler stack
+(about 40 MB of resident memory in every worker) and the first grammar request
+would wait for a C++ build."""
 from __future__ import annotations
 
 import json
@@ -9,7 +14,7 @@ from dataclasses import dataclass
 
 import llguidance
 import llguidance.hf
-import llguidance.torch
+import llguidance.numpy
 import torch
 
 from services.common.json_grammar import JSON_OPTIONS
@@ -64,13 +69,12 @@ class GuidedDecoding:
         rows = [i for i, m in enumerate(matchers) if m is not None]
         if not rows:
             return
-        bitmask = llguidance.torch.allocate_token_bitmask(len(rows), self.vocab_size)
+        bitmask = llguidance.numpy.allocate_token_bitmask(len(rows), self.vocab_size)
         for slot, row in enumerate(rows):
-            llguidance.torch.fill_next_token_bitmask(matchers[row], bitmask, slot)
-        index = torch.tensor(rows, dtype=torch.long)
-        masked = logits[index].float()
-        llguidance.torch.apply_token_bitmask_inplace(masked, bitmask)
-        logits[index] = masked.to(logits.dtype)
+            llguidance.numpy.fill_next_token_bitmask(matchers[row], bitmask, slot)
+        index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+        allowed = _unpack_bits(torch.from_numpy(bitmask), logits.shape[-1]).to(logits.device)
+        logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
 
     @staticmethod
     def advance(matcher: llguidance.LLMatcher, token_id: int) -> None:
@@ -79,3 +83,13 @@ class GuidedDecoding:
             return
         if not matcher.consume_token(token_id):
             raise RuntimeError(f"grammar rejected sampled token {token_id}: {matcher.get_error()}")
+
+
+def _unpack_bits(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """int32 words [rows, ceil(vocab / 32)], bit b of word w = token 32 w + b allowed
+    -> bool [rows, vocab_size]; tokens past the mask's end are not allowed."""
+    shifts = torch.arange(32, dtype=torch.int32)
+    bits = ((bitmask[:, :, None] >> shifts) & 1).bool().flatten(1)
+    if bits.shape[1] >= vocab_size:
+        return bits[:, :vocab_size]
+    return torch.nn.functional.pad(bits, (0, vocab_size - bits.shape[1]), value=False)

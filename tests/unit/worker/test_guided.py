@@ -8,7 +8,7 @@ import torch
 from transformers import AutoTokenizer
 
 from services.common.model_files import default_model_path, resolve_model
-from services.worker.guided import GrammarError, GrammarSpec, GuidedDecoding
+from services.worker.guided import GrammarError, GrammarSpec, GuidedDecoding, _unpack_bits
 
 EOS = 2
 VOCAB = 49152
@@ -121,3 +121,11 @@ def test_runner_follows_the_schema_with_the_real_model(runner, tables, tokenizer
     value = json.loads(tokenizer.decode(outputs[101][:-1]))
     assert set(value) == {"city", "days", "unit"} and value["unit"] in ("celsius", "fahrenheit")
     assert not tokenizer.decode(outputs[102]).lstrip().startswith("{")  # the free neighbour stays free
+
+
+def test_mask_bits_map_to_tokens_including_the_sign_bit():
+    words = torch.tensor([[1 | (1 << 31) - 2**32, 0b101]], dtype=torch.int32)  # tokens 0, 31, 32, 34
+    allowed = _unpack_bits(words, 70)
+    assert allowed.shape == (1, 70)
+    assert allowed[0].nonzero().flatten().tolist() == [0, 31, 32, 34]
+    assert _unpack_bits(words, 33)[0].nonzero().flatten().tolist() == [0, 31, 32]

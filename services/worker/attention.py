@@ -182,8 +182,9 @@ def paged_attention(
         num_kv_heads = key.shape[1]
         # The query heads that share a KV head stand in for SDPA's query rows: one
         # [heads / kv_heads, L] attention per (sequence, KV head) instead of
-        # `heads` attentions of one row each. Same numbers; the bfloat16 CPU
-        # kernel ran 4.8 times faster on 32 decodes of the bundled model.
+        # `heads` attentions of one row each. The same math (and the same error
+        # against float32); the bfloat16 CPU kernel ran 4.8 times faster on 32
+        # decodes of the bundled model.
         q = query.index_select(0, d.rows).view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
         k = _gather(key_cache, d.context_slots).permute(0, 2, 1, 3)  # [B, kv_heads, L, dim]
         v = _gather(value_cache, d.context_slots).permute(0, 2, 1, 3)

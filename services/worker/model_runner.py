@@ -117,9 +117,9 @@ _TRIM_AFTER_SECONDS = 0.1
 def _return_freed_memory() -> None:
     """Hand freed heap back to the OS, which glibc would otherwise keep: after loading
     (float32 checkpoint tensors, the HF modules the lean path dropped: about 300 MB on
-    the bundled model) and after big prefill steps, whose activations of up to 32 MB
-    each land in per-thread heaps and stay resident once freed (about 300 MB more
-    under 64 concurrent 1,000-token prompts)."""
+    the bundled model) and after long steps (prefills, decodes over long contexts),
+    whose activations of up to 32 MB each land in per-thread heaps and stay resident
+    once freed (about 440 MB more after 64 concurrent 1,000-token prompts)."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc

@@ -11,8 +11,10 @@ kwargs down to the attention function).
 `paged_attention` is the one implementation; the HF entry point and the lean
 Llama-family path (decoder.py) both call it. Per layer it writes the new K/V
 into the pool by slot, then:
-- all decode tokens (one new token per sequence) attend in ONE batched SDPA
-  call, over K/V gathered through their block tables and padded to the longest
+- all decode tokens (one new token per sequence) attend together: on CPU in
+  one call of the native kernel (cpu_kernels.py), which reads K/V in place
+  through the block tables; elsewhere (and as the reference) in one batched SDPA
+  call over K/V gathered through the block tables and padded to the longest
   context with a mask;
 - each prefill chunk attends in its own SDPA call, causal within the chunk and
   over its cached prefix.
@@ -21,12 +23,14 @@ transformers builds no [T, T] mask for it (attention_mask arrives as None).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from services.worker.cpu_kernels import PagedDecode
 from services.worker.kv_cache import KVCachePool
 
 ATTENTION_NAME = "stormserve_paged"
@@ -49,10 +53,30 @@ class DecodeBatch:
     """All sequences with exactly one new token, attended together."""
 
     rows: torch.Tensor  # [B] packed row of each decode token
-    context_slots: torch.Tensor  # [B, L] slots, padded by repeating the last real slot
-    key_positions: torch.Tensor  # [1, L] 0..L-1
-    query_positions: torch.Tensor  # [B, 1] position of the new token (= context length - 1)
-    mask: torch.Tensor  # [B, 1, 1, L] True where a key is part of the context
+    block_tables: torch.Tensor  # [B, max_blocks], short tables padded with block 0
+    context_lens: torch.Tensor  # [B] context length, the new token included
+    block_size: int
+
+    # The SDPA path's view of the same batch, built on first use (the kernel needs none of it).
+    @functools.cached_property
+    def key_positions(self) -> torch.Tensor:  # [1, L] 0..L-1
+        return torch.arange(int(self.context_lens.max()), device=self.context_lens.device)[None, :]
+
+    @functools.cached_property
+    def query_positions(self) -> torch.Tensor:  # [B, 1] position of the new token
+        return (self.context_lens - 1)[:, None]
+
+    @functools.cached_property
+    def mask(self) -> torch.Tensor:  # [B, 1, 1, L] True where a key is part of the context
+        return (self.key_positions < self.context_lens[:, None])[:, None, None, :]
+
+    @functools.cached_property
+    def context_slots(self) -> torch.Tensor:  # [B, L], padded by repeating the last real slot
+        # Padding reuses each sequence's last real slot: it was written, so it holds
+        # finite values (masked-out NaN garbage would still poison softmax @ V).
+        padded_positions = torch.minimum(self.key_positions, self.query_positions)
+        tables = self.block_tables[:, None, :].expand(-1, padded_positions.shape[1], -1)
+        return _slots(tables, padded_positions, self.block_size)
 
 
 @dataclass(frozen=True)
@@ -64,6 +88,7 @@ class PagedStep:
     slot_mapping: torch.Tensor  # [T] pool slot each new token's K/V is written to
     prefills: tuple[PrefillChunk, ...]
     decode: DecodeBatch | None
+    decode_kernel: PagedDecode | None = None  # None: decodes attend through SDPA
 
     @property
     def num_tokens(self) -> int:
@@ -76,6 +101,7 @@ def build_paged_step(
     num_computed_tokens: list[int],
     block_tables: list[list[int]],
     device: torch.device,
+    decode_kernel: PagedDecode | None = None,
 ) -> PagedStep:
     """Lay out one step: sequences in the given order, their new tokens back to back.
 
@@ -111,20 +137,13 @@ def build_paged_step(
     decode = None
     decode_seqs = (new == 1).nonzero().flatten()
     if len(decode_seqs):
-        lengths = context[decode_seqs]
-        key_positions = torch.arange(int(lengths.max()))[None, :]
-        # Padding reuses each sequence's last real slot: it was written, so it holds
-        # finite values (masked-out NaN garbage would still poison softmax @ V).
-        padded_positions = torch.minimum(key_positions, lengths[:, None] - 1)
-        rows_tables = tables[decode_seqs][:, None, :].expand(-1, key_positions.shape[1], -1)
         decode = DecodeBatch(
             rows=starts[decode_seqs].to(device),
-            context_slots=_slots(rows_tables, padded_positions, block_size).to(device),
-            key_positions=key_positions.to(device),
-            query_positions=(lengths - 1)[:, None].to(device),
-            mask=(key_positions < lengths[:, None])[:, None, None, :].to(device),
+            block_tables=tables[decode_seqs].to(device),
+            context_lens=context[decode_seqs].to(device),
+            block_size=block_size,
         )
-    return PagedStep(pool, positions.to(device), slot_mapping.to(device), tuple(prefills), decode)
+    return PagedStep(pool, positions.to(device), slot_mapping.to(device), tuple(prefills), decode, decode_kernel)
 
 
 def _slots(tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -178,21 +197,15 @@ def paged_attention(
     out = query.new_empty(query.shape)
     if step.decode is not None:
         d = step.decode
-        num_seqs, num_heads, head_dim = len(d.rows), query.shape[1], query.shape[2]
-        num_kv_heads = key.shape[1]
-        # The query heads that share a KV head stand in for SDPA's query rows: one
-        # [heads / kv_heads, L] attention per (sequence, KV head) instead of
-        # `heads` attentions of one row each. The same math (and the same error
-        # against float32); the bfloat16 CPU kernel ran 4.8 times faster on 32
-        # decodes of the bundled model.
-        q = query.index_select(0, d.rows).view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        k = _gather(key_cache, d.context_slots).permute(0, 2, 1, 3)  # [B, kv_heads, L, dim]
-        v = _gather(value_cache, d.context_slots).permute(0, 2, 1, 3)
-        mask = d.mask
-        if sliding_window is not None:
-            mask = mask & (d.key_positions > d.query_positions - sliding_window)[:, None, None, :]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
-        out.index_copy_(0, d.rows, o.reshape(num_seqs, num_heads, head_dim))
+        q = query.index_select(0, d.rows)  # [B, heads, head_dim]
+        if step.decode_kernel is not None:
+            o = step.decode_kernel(
+                q, key_cache, value_cache, d.block_tables, d.context_lens, d.block_size,
+                query.shape[-1] ** -0.5 if scaling is None else scaling, sliding_window,
+            )
+        else:
+            o = _decode_sdpa(q, key_cache, value_cache, d, scaling, sliding_window)
+        out.index_copy_(0, d.rows, o)
     for chunk in step.prefills:
         q = query[chunk.start : chunk.end].transpose(0, 1)[None]  # [1, heads, n, dim]
         if chunk.context_slots is None:
@@ -207,6 +220,32 @@ def paged_attention(
         )
         out[chunk.start : chunk.end] = o[0].transpose(0, 1)
     return out
+
+
+def _decode_sdpa(
+    query: torch.Tensor,  # [B, heads, head_dim]
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    d: DecodeBatch,
+    scaling: float | None,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """Decode attention in plain torch: K/V gathered through the block tables."""
+    num_seqs, num_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[1]
+    # The query heads that share a KV head stand in for SDPA's query rows: one
+    # [heads / kv_heads, L] attention per (sequence, KV head) instead of
+    # `heads` attentions of one row each. The same math (and the same error
+    # against float32); the bfloat16 CPU kernel ran 4.8 times faster on 32
+    # decodes of the bundled model.
+    q = query.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    k = _gather(key_cache, d.context_slots).permute(0, 2, 1, 3)  # [B, kv_heads, L, dim]
+    v = _gather(value_cache, d.context_slots).permute(0, 2, 1, 3)
+    mask = d.mask
+    if sliding_window is not None:
+        mask = mask & (d.key_positions > d.query_positions - sliding_window)[:, None, None, :]
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
+    return o.reshape(num_seqs, num_heads, head_dim)
 
 
 def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

@@ -1,9 +1,11 @@
 """The device seam: which accelerator the worker runs on, and the few calls
 that differ between them. Nothing else in the worker names cuda or npu.
 
-Only the pure-torch paged attention path exists today (attention.py); it runs on
-every device because it is plain torch + SDPA. Fused Ascend / CUDA paged kernels
-would plug in here. CPU is the only device exercised in this repo's tests.
+The pure-torch paged attention path (attention.py) runs on every device: plain
+torch + SDPA. On CPU, decode attention runs on a native kernel instead
+(cpu_kernels.py) where a C compiler is there to build it. Fused Ascend / CUDA
+paged kernels would plug in the same way (`paged_decode`). CPU is the only
+device exercised in this repo's tests.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from services.worker import int4
+from services.worker import cpu_kernels, int4
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +112,15 @@ class Backend:
             return y if bias is None else y + bias
 
         return small_batch_int4
+
+    def paged_decode(
+        self, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int
+    ) -> cpu_kernels.PagedDecode | None:
+        """This device's decode-attention kernel for a KV pool of `dtype` and this
+        attention shape; None means attention.py's SDPA path."""
+        if self.name != "cpu":
+            return None
+        return cpu_kernels.paged_decode(dtype, num_heads, num_kv_heads, head_dim)
 
     def set_num_threads(self, num_threads: int) -> None:
         if num_threads > 0:

@@ -1,0 +1,75 @@
+"""The native CPU decode-attention kernel equals the pure-torch SDPA path.
+
+Both run through attention.paged_attention on the same pool and step, so the
+kernel is checked exactly where the worker uses it: block tables with blocks
+scattered over the pool, contexts that end mid-block, grouped query heads,
+sliding windows, and the decode rows interleaved with a prefill chunk.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.worker import attention, cpu_kernels
+from services.worker.kv_cache import KVCachePool, KVCacheSpec
+
+CPU = torch.device("cpu")
+
+
+def _kernel(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> cpu_kernels.PagedDecode:
+    kernel = cpu_kernels.paged_decode(dtype, heads, kv_heads, head_dim)
+    assert kernel is not None, "no kernel: is a C compiler installed?"
+    return kernel
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "block_size"),
+    [(9, 3, 64, 16), (4, 4, 128, 8), (8, 1, 32, 128), (16, 2, 80, 16)],
+)
+@pytest.mark.parametrize("window", [None, 5, 40])
+def test_kernel_matches_sdpa(dtype, heads, kv_heads, head_dim, block_size, window):
+    torch.manual_seed(heads * head_dim + block_size)
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=kv_heads, head_dim=head_dim, block_size=block_size, dtype=dtype)
+    pool = KVCachePool(spec, 64, CPU)
+    pool.key_cache.normal_()
+    pool.value_cache.normal_()
+    # Decodes of contexts 1, 2, block_size, block_size + 1 and a long one, then a
+    # 3-token prefill chunk; blocks handed out in a scrambled order.
+    contexts = [1, 2, block_size, block_size + 1, 3 * block_size + 5]
+    free = torch.randperm(pool.num_blocks).tolist()
+    tables = [[free.pop() for _ in range(-(-n // block_size))] for n in [*contexts, 7]]
+    new, computed = [1] * len(contexts) + [3], [n - 1 for n in contexts] + [4]
+    steps = [
+        attention.build_paged_step(pool, new, computed, tables, CPU, kernel)
+        for kernel in (None, _kernel(dtype, heads, kv_heads, head_dim))
+    ]
+    rows = sum(new)
+    q = torch.randn(rows, heads, head_dim, dtype=dtype)
+    k, v = torch.randn(rows, kv_heads, head_dim, dtype=dtype), torch.randn(rows, kv_heads, head_dim, dtype=dtype)
+    reference, native = (attention.paged_attention(q, k, v, 1, step, None, window) for step in steps)
+    # Both accumulate in float32; bfloat16 outputs may differ by the final rounding.
+    tolerance = {torch.float32: 2e-6, torch.bfloat16: 1e-2}[dtype]
+    torch.testing.assert_close(native, reference, atol=tolerance, rtol=tolerance)
+
+
+def test_kernel_reads_only_the_context():
+    """Slots past a sequence's context (never written: NaN here) change nothing."""
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=16, block_size=4, dtype=torch.float32)
+    pool = KVCachePool(spec, 2, CPU)
+    pool.key_cache.fill_(float("nan"))
+    pool.value_cache.fill_(float("nan"))
+    step = attention.build_paged_step(pool, [1], [0], [[1]], CPU, _kernel(torch.float32, 2, 1, 16))
+    q, k, v = torch.randn(1, 2, 16), torch.randn(1, 1, 16), torch.randn(1, 1, 16)
+    out = attention.paged_attention(q, k, v, 0, step, None, None)
+    # One key: softmax weight 1, so each head's output is that key's value.
+    torch.testing.assert_close(out, v.expand(1, 2, 16))
+
+
+@pytest.mark.parametrize(
+    ("dtype", "heads", "kv_heads", "head_dim"),
+    [(torch.float16, 4, 4, 64), (torch.float32, 4, 4, 72), (torch.float32, 34, 2, 64)],
+)
+def test_shapes_without_a_kernel_fall_back(dtype, heads, kv_heads, head_dim):
+    """float16, a head size that is not a multiple of 16, more than 16 query heads per KV head."""
+    assert cpu_kernels.paged_decode(dtype, heads, kv_heads, head_dim) is None

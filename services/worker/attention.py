@@ -8,29 +8,28 @@ lengths — is a `PagedStep`, built once per step and handed to every layer
 through the forward kwarg `paged_step` (transformers passes unknown forward
 kwargs down to the attention function).
 
-`paged_attention` is the one implementation; the HF entry point and the lean
+`paged_attention` is the one entry point; the HF entry point and the lean
 Llama-family path (decoder.py) both call it. Per layer it writes the new K/V
-into the pool by slot, then:
-- all decode tokens (one new token per sequence) attend together: on CPU in
-  one call of the native kernel (cpu_kernels.py), which reads K/V in place
-  through the block tables; elsewhere (and as the reference) in one batched SDPA
-  call over K/V gathered through the block tables and padded to the longest
-  context with a mask;
-- each prefill chunk attends in its own SDPA call, causal within the chunk and
-  over its cached prefix.
+into the pool by slot, then attends:
+- on CPU, every row of the step in one call of the native kernel
+  (cpu_kernels.py), which reads K/V in place through the block tables;
+- elsewhere, and as the reference the kernel is tested against, in plain torch:
+  all decode tokens (one new token per sequence) in ONE batched SDPA call over
+  K/V gathered through their block tables and padded to the longest context
+  with a mask, and each prefill chunk in its own SDPA call, causal within the
+  chunk and over its cached prefix.
 Because this implementation is not in transformers' AttentionMaskInterface,
 transformers builds no [T, T] mask for it (attention_mask arrives as None).
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from services.worker.cpu_kernels import PagedDecode
+from services.worker.cpu_kernels import PagedAttention
 from services.worker.kv_cache import KVCachePool
 
 ATTENTION_NAME = "stormserve_paged"
@@ -53,30 +52,20 @@ class DecodeBatch:
     """All sequences with exactly one new token, attended together."""
 
     rows: torch.Tensor  # [B] packed row of each decode token
-    block_tables: torch.Tensor  # [B, max_blocks], short tables padded with block 0
-    context_lens: torch.Tensor  # [B] context length, the new token included
-    block_size: int
+    context_slots: torch.Tensor  # [B, L] slots, padded by repeating the last real slot
+    key_positions: torch.Tensor  # [1, L] 0..L-1
+    query_positions: torch.Tensor  # [B, 1] position of the new token (= context length - 1)
+    mask: torch.Tensor  # [B, 1, 1, L] True where a key is part of the context
 
-    # The SDPA path's view of the same batch, built on first use (the kernel needs none of it).
-    @functools.cached_property
-    def key_positions(self) -> torch.Tensor:  # [1, L] 0..L-1
-        return torch.arange(int(self.context_lens.max()), device=self.context_lens.device)[None, :]
 
-    @functools.cached_property
-    def query_positions(self) -> torch.Tensor:  # [B, 1] position of the new token
-        return (self.context_lens - 1)[:, None]
+@dataclass(frozen=True)
+class StepSequences:
+    """The step's sequences as the native kernel reads them, one entry each."""
 
-    @functools.cached_property
-    def mask(self) -> torch.Tensor:  # [B, 1, 1, L] True where a key is part of the context
-        return (self.key_positions < self.context_lens[:, None])[:, None, None, :]
-
-    @functools.cached_property
-    def context_slots(self) -> torch.Tensor:  # [B, L], padded by repeating the last real slot
-        # Padding reuses each sequence's last real slot: it was written, so it holds
-        # finite values (masked-out NaN garbage would still poison softmax @ V).
-        padded_positions = torch.minimum(self.key_positions, self.query_positions)
-        tables = self.block_tables[:, None, :].expand(-1, padded_positions.shape[1], -1)
-        return _slots(tables, padded_positions, self.block_size)
+    block_tables: torch.Tensor  # [S, max_blocks], short tables padded with block 0
+    starts: torch.Tensor  # [S] packed row of the sequence's first new token
+    num_new: torch.Tensor  # [S] its new tokens
+    context_lens: torch.Tensor  # [S] its context, new tokens included
 
 
 @dataclass(frozen=True)
@@ -86,9 +75,10 @@ class PagedStep:
     pool: KVCachePool
     positions: torch.Tensor  # [T] position of every packed token
     slot_mapping: torch.Tensor  # [T] pool slot each new token's K/V is written to
+    sequences: StepSequences
+    kernel: PagedAttention | None  # None: the step attends through SDPA, as laid out below
     prefills: tuple[PrefillChunk, ...]
     decode: DecodeBatch | None
-    decode_kernel: PagedDecode | None = None  # None: decodes attend through SDPA
 
     @property
     def num_tokens(self) -> int:
@@ -101,11 +91,12 @@ def build_paged_step(
     num_computed_tokens: list[int],
     block_tables: list[list[int]],
     device: torch.device,
-    decode_kernel: PagedDecode | None = None,
+    kernel: PagedAttention | None = None,
 ) -> PagedStep:
     """Lay out one step: sequences in the given order, their new tokens back to back.
 
-    Every block table must already cover num_computed + num_new tokens.
+    Every block table must already cover num_computed + num_new tokens. Without
+    a kernel, the SDPA path's prefill chunks and decode batch are laid out too.
     """
     block_size = pool.spec.block_size
     num_seqs = len(num_new_tokens)
@@ -121,6 +112,9 @@ def build_paged_step(
     starts = torch.cumsum(new, 0) - new
     positions = torch.arange(int(new.sum())) - starts[seq_of_row] + computed[seq_of_row]
     slot_mapping = _slots(tables[seq_of_row], positions, block_size)
+    sequences = StepSequences(tables.to(device), starts.to(device), new.to(device), context.to(device))
+    if kernel is not None:
+        return PagedStep(pool, positions.to(device), slot_mapping.to(device), sequences, kernel, (), None)
 
     prefills = []
     for i in range(num_seqs):
@@ -137,13 +131,22 @@ def build_paged_step(
     decode = None
     decode_seqs = (new == 1).nonzero().flatten()
     if len(decode_seqs):
+        lengths = context[decode_seqs]
+        key_positions = torch.arange(int(lengths.max()))[None, :]
+        # Padding reuses each sequence's last real slot: it was written, so it holds
+        # finite values (masked-out NaN garbage would still poison softmax @ V).
+        padded_positions = torch.minimum(key_positions, lengths[:, None] - 1)
+        rows_tables = tables[decode_seqs][:, None, :].expand(-1, key_positions.shape[1], -1)
         decode = DecodeBatch(
             rows=starts[decode_seqs].to(device),
-            block_tables=tables[decode_seqs].to(device),
-            context_lens=context[decode_seqs].to(device),
-            block_size=block_size,
+            context_slots=_slots(rows_tables, padded_positions, block_size).to(device),
+            key_positions=key_positions.to(device),
+            query_positions=(lengths - 1)[:, None].to(device),
+            mask=(key_positions < lengths[:, None])[:, None, None, :].to(device),
         )
-    return PagedStep(pool, positions.to(device), slot_mapping.to(device), tuple(prefills), decode, decode_kernel)
+    return PagedStep(
+        pool, positions.to(device), slot_mapping.to(device), sequences, None, tuple(prefills), decode
+    )
 
 
 def _slots(tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -193,18 +196,18 @@ def paged_attention(
     key_cache.index_copy_(0, step.slot_mapping, key)
     value_cache.index_copy_(0, step.slot_mapping, value)
 
+    if step.kernel is not None:
+        seqs = step.sequences
+        return step.kernel(
+            query, key_cache, value_cache, seqs.block_tables, seqs.starts, seqs.num_new, seqs.context_lens,
+            step.pool.spec.block_size, query.shape[-1] ** -0.5 if scaling is None else scaling, sliding_window,
+        )
+
     gqa = query.shape[1] != key.shape[1]
     out = query.new_empty(query.shape)
     if step.decode is not None:
         d = step.decode
-        q = query.index_select(0, d.rows)  # [B, heads, head_dim]
-        if step.decode_kernel is not None:
-            o = step.decode_kernel(
-                q, key_cache, value_cache, d.block_tables, d.context_lens, d.block_size,
-                query.shape[-1] ** -0.5 if scaling is None else scaling, sliding_window,
-            )
-        else:
-            o = _decode_sdpa(q, key_cache, value_cache, d, scaling, sliding_window)
+        o = _decode_sdpa(query.index_select(0, d.rows), key_cache, value_cache, d, scaling, sliding_window)
         out.index_copy_(0, d.rows, o)
     for chunk in step.prefills:
         q = query[chunk.start : chunk.end].transpose(0, 1)[None]  # [1, heads, n, dim]

@@ -2,9 +2,9 @@
 that differ between them. Nothing else in the worker names cuda or npu.
 
 The pure-torch paged attention path (attention.py) runs on every device: plain
-torch + SDPA. On CPU, decode attention runs on a native kernel instead
-(cpu_kernels.py) where a C compiler is there to build it. Fused Ascend / CUDA
-paged kernels would plug in the same way (`paged_decode`). CPU is the only
+torch + SDPA. On CPU, attention runs on a native kernel instead (cpu_kernels.py)
+where a C compiler is there to build it. Fused Ascend / CUDA paged kernels
+would plug in the same way (`paged_attention`). CPU is the only
 device exercised in this repo's tests.
 """
 from __future__ import annotations
@@ -113,14 +113,14 @@ class Backend:
 
         return small_batch_int4
 
-    def paged_decode(
+    def paged_attention(
         self, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int
-    ) -> cpu_kernels.PagedDecode | None:
-        """This device's decode-attention kernel for a KV pool of `dtype` and this
+    ) -> cpu_kernels.PagedAttention | None:
+        """This device's paged-attention kernel for a KV pool of `dtype` and this
         attention shape; None means attention.py's SDPA path."""
         if self.name != "cpu":
             return None
-        return cpu_kernels.paged_decode(dtype, num_heads, num_kv_heads, head_dim)
+        return cpu_kernels.paged_attention(dtype, num_heads, num_kv_heads, head_dim)
 
     def set_num_threads(self, num_threads: int) -> None:
         if num_threads > 0:

@@ -165,17 +165,17 @@ class ModelRunner:
                 self.decoder: Decoder = LeanDecoder(model, backend)
             else:
                 self.decoder = _hf_decoder(model)
-        self.decode_kernel = backend.paged_decode(
+        self.attention_kernel = backend.paged_attention(
             dtype_t, self.config.get_text_config().num_attention_heads, spec.num_kv_heads, spec.head_dim
         )
         self.block_size = block_size
         self.sequences: dict[int, SequenceState] = {}
         self._guided: GuidedDecoding | None = None  # built on the first grammar request
         log.info(
-            "loaded %s (%s, %s, %s path, decode attention on %s) in %.2f s",
+            "loaded %s (%s, %s, %s path, attention on %s) in %.2f s",
             model_dir.name, architecture, dtype,
             "lean" if isinstance(self.decoder, LeanDecoder) else "HF modules",
-            "the native kernel" if self.decode_kernel else "SDPA", time.monotonic() - started,
+            "the native kernel" if self.attention_kernel else "SDPA", time.monotonic() - started,
         )
         del model  # the lean decoder holds every weight it needs; the HF modules go
         _return_freed_memory()
@@ -357,7 +357,7 @@ class ModelRunner:
             [s.num_computed_tokens for s in inputs],
             [s.block_table for s in inputs],
             device,
-            self.decode_kernel,
+            self.attention_kernel,
         )
         flat_ids = [t for s in inputs for t in s.token_ids]
         input_ids = torch.tensor(flat_ids, dtype=torch.long, device=device)

@@ -1,9 +1,10 @@
-"""The native CPU decode-attention kernel equals the pure-torch SDPA path.
+"""The native CPU paged-attention kernel equals the pure-torch SDPA path.
 
 Both run through attention.paged_attention on the same pool and step, so the
 kernel is checked exactly where the worker uses it: block tables with blocks
 scattered over the pool, contexts that end mid-block, grouped query heads,
-sliding windows, and the decode rows interleaved with a prefill chunk.
+sliding windows, and decode rows packed together with prefill chunks (fresh,
+and continuing a cached prefix; shorter and longer than the kernel's row tile).
 """
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ from services.worker.kv_cache import KVCachePool, KVCacheSpec
 CPU = torch.device("cpu")
 
 
-def _kernel(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> cpu_kernels.PagedDecode:
-    kernel = cpu_kernels.paged_decode(dtype, heads, kv_heads, head_dim)
+def _kernel(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> cpu_kernels.PagedAttention:
+    kernel = cpu_kernels.paged_attention(dtype, heads, kv_heads, head_dim)
     assert kernel is not None, "no kernel: is a C compiler installed?"
     return kernel
 
@@ -34,12 +35,14 @@ def test_kernel_matches_sdpa(dtype, heads, kv_heads, head_dim, block_size, windo
     pool = KVCachePool(spec, 64, CPU)
     pool.key_cache.normal_()
     pool.value_cache.normal_()
-    # Decodes of contexts 1, 2, block_size, block_size + 1 and a long one, then a
-    # 3-token prefill chunk; blocks handed out in a scrambled order.
-    contexts = [1, 2, block_size, block_size + 1, 3 * block_size + 5]
+    # (new tokens, cached tokens): decodes of contexts 1, 2, block_size,
+    # block_size + 1 and a long one; a fresh 3-token prompt, a fresh 21-token
+    # prompt, a 19-token chunk after 30 cached tokens, and a 150-token chunk
+    # after 100 (its keys span more than one of the kernel's key blocks).
+    new = [1, 1, 1, 1, 1, 3, 21, 19, 150]
+    computed = [0, 1, block_size - 1, block_size, 3 * block_size + 4, 0, 0, 30, 100]
     free = torch.randperm(pool.num_blocks).tolist()
-    tables = [[free.pop() for _ in range(-(-n // block_size))] for n in [*contexts, 7]]
-    new, computed = [1] * len(contexts) + [3], [n - 1 for n in contexts] + [4]
+    tables = [[free.pop() for _ in range(-(-(n + c) // block_size))] for n, c in zip(new, computed)]
     steps = [
         attention.build_paged_step(pool, new, computed, tables, CPU, kernel)
         for kernel in (None, _kernel(dtype, heads, kv_heads, head_dim))
@@ -72,4 +75,4 @@ def test_kernel_reads_only_the_context():
 )
 def test_shapes_without_a_kernel_fall_back(dtype, heads, kv_heads, head_dim):
     """float16, a head size that is not a multiple of 16, more than 16 query heads per KV head."""
-    assert cpu_kernels.paged_decode(dtype, heads, kv_heads, head_dim) is None
+    assert cpu_kernels.paged_attention(dtype, heads, kv_heads, head_dim) is None

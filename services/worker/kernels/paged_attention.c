@@ -1,0 +1,376 @@
+/* Paged attention for CPUs over one packed step: every sequence's new query
+ * rows (a prefill chunk, or one decode token) attend causally to their context,
+ * reading K/V in place through the sequence's block table (no gather, no
+ * padding). The new tokens' K/V are already in the pool when this runs.
+ *
+ * Layout (one layer of the worker's pool, see kv_cache.py):
+ *   q, out        [num_rows, num_heads, head_dim]          contiguous, the step's packed rows
+ *   key, value    [num_slots, num_kv_heads, head_dim]      contiguous
+ *   block_tables  [num_seqs, max_blocks]                   int64, slot = block * block_size + offset
+ *   starts        [num_seqs]                               int64, the sequence's first packed row
+ *   num_new       [num_seqs]                               int64, its rows
+ *   context_lens  [num_seqs]                               int64, its context, new rows included
+ * head_dim must be a multiple of 16 and heads / kv_heads at most MAX_GROUP
+ * (cpu_kernels.py checks both and falls back to SDPA otherwise).
+ *
+ * A task is one (sequence, tile of up to TILE rows, KV head): the tile's rows
+ * times the query heads that share the KV head are scored against the keys any
+ * of them sees, each against its own causal (and sliding-window) range; scores,
+ * softmax and sums are float32, and only the output is rounded to the cache
+ * dtype, as SDPA rounds it. Each K and V row loaded serves every query of the tile.
+ *
+ * Written with GCC vector extensions (16 float lanes), which the compiler maps
+ * onto the CPU it builds for: cpu_kernels.py builds with -march=native and
+ * -fopenmp. The OpenMP runtime is torch's own (same soname), so the kernel runs
+ * on torch's thread team. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define INLINE static inline __attribute__((always_inline))
+#define MIN(a, b) ((a) < (b) ? (a) : (b))
+#define LANES 16
+#define MAX_GROUP 16
+#define TILE 16     /* query rows per prefill task */
+#define KEY_BLOCK 128 /* keys converted to float32 at a time */
+
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef float f32x4 __attribute__((vector_size(16)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+
+INLINE f32x16 select16(i32x16 mask, f32x16 yes, f32x16 no) {
+    return (f32x16)(((i32x16)yes & mask) | ((i32x16)no & ~mask));
+}
+
+/* 16 elements of a float32 or bfloat16 array, from element `index` on, as float32. */
+INLINE f32x16 load16(const void *base, int64_t index, int bf16) {
+    if (bf16) {
+        u16x16 half;
+        memcpy(&half, (const uint16_t *)base + index, sizeof half);
+        return (f32x16)(__builtin_convertvector(half, u32x16) << 16);
+    }
+    f32x16 v;
+    memcpy(&v, (const float *)base + index, sizeof v);
+    return v;
+}
+
+INLINE void store16(f32x16 v, void *base, int64_t index, int bf16) {
+    if (bf16) {
+        const u32x16 bits = (u32x16)v;
+        const u32x16 rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16; /* to nearest even */
+        const u16x16 half = __builtin_convertvector(rounded, u16x16);
+        memcpy((uint16_t *)base + index, &half, sizeof half);
+    } else {
+        memcpy((float *)base + index, &v, sizeof v);
+    }
+}
+
+INLINE float sum16(f32x16 v) {
+    const f32x8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                    __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    const f32x4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+/* e^x for x <= 0 (scores minus their maximum): Cephes' expf polynomial after
+ * range reduction, about 1e-7 relative error. */
+INLINE f32x16 exp16(f32x16 x) {
+    x = select16(x < -87.0f, x * 0.0f - 87.0f, x);
+    const f32x16 round = x * 0.0f + 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
+    const f32x16 k = (x * 1.44269504088896341f + round) - round;
+    const f32x16 r = x - k * 0.693359375f + k * 2.12194440e-4f;
+    f32x16 p = r * 0.0f + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const i32x16 exponent = (__builtin_convertvector(k, i32x16) + 127) << 23;
+    return p * (f32x16)exponent;
+}
+
+/* Softmax of n scores in place (n >= 1); nothing past them is touched. */
+INLINE void softmax(float *scores, int64_t n) {
+    float top = scores[0];
+    for (int64_t i = 1; i < n; i++) top = scores[i] > top ? scores[i] : top;
+    f32x16 total = {0};
+    for (int64_t i = 0; i < n; i += LANES) {
+        const int64_t m = MIN(LANES, n - i);
+        f32x16 v = total * 0.0f + top; /* lanes past n: e^0, dropped below */
+        memcpy(&v, scores + i, (size_t)m * sizeof(float));
+        v = exp16(v - top);
+        for (int64_t j = m; j < LANES; j++) v[j] = 0.0f;
+        memcpy(scores + i, &v, (size_t)m * sizeof(float));
+        total += v;
+    }
+    const float inverse = 1.0f / sum16(total);
+    for (int64_t i = 0; i < n; i++) scores[i] *= inverse;
+}
+
+/* Decode (one query row): the `group` query heads of KV head h, key by key
+ * with a horizontal sum per dot product; with this few queries per key that
+ * beats transposing anything. Inlined with a constant `chunks` for the common
+ * head sizes, so that one key's chunks stay in registers. */
+INLINE void attend_row(const void *q, const void *key, const void *value, const int64_t *table, void *out,
+                   int64_t row0, int64_t rows, int64_t pos0, int64_t h, int64_t num_heads, int64_t num_kv_heads,
+                   int64_t block_size, int64_t group, int64_t chunks, float scale, int64_t window, float *scratch,
+                   int bf16) {
+    const int64_t head_dim = chunks * LANES, queries = rows * group;
+    /* Keys [first, last] cover every row's range; row r sees [lo(r), pos0 + r]. */
+    const int64_t last = pos0 + rows - 1, first = window > 0 && pos0 + 1 > window ? pos0 + 1 - window : 0;
+    const int64_t n = last + 1 - first, stride = (n + LANES - 1) / LANES * LANES;
+    f32x16 *qv = (f32x16 *)scratch, *acc = qv + queries * chunks;
+    float *scores = (float *)(acc + queries * chunks);
+
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = 0; c < group * chunks; c++)
+            qv[r * group * chunks + c] = load16(q, ((row0 + r) * num_heads + h * group) * head_dim + c * LANES, bf16) * scale;
+    /* Keys block by block: p runs over [first, last], slot = block * block_size + offset. */
+    for (int64_t p = first; p <= last;) {
+        const int64_t offset = p % block_size, count = MIN(block_size - offset, last + 1 - p);
+        const int64_t row = (table[p / block_size] * block_size + offset) * num_kv_heads + h;
+        for (int64_t j = 0; j < count; j++, p++) {
+            f32x16 k[chunks];
+            for (int64_t c = 0; c < chunks; c++) k[c] = load16(key, (row + j * num_kv_heads) * head_dim + c * LANES, bf16);
+            for (int64_t i = 0; i < queries; i++) {
+                f32x16 dot = qv[i * chunks] * k[0];
+                for (int64_t c = 1; c < chunks; c++) dot += qv[i * chunks + c] * k[c];
+                scores[i * stride + (p - first)] = sum16(dot);
+            }
+        }
+    }
+    for (int64_t i = 0; i < queries; i++) {
+        const int64_t r = i / group, hi = pos0 + r - first;
+        const int64_t lo = window > 0 && pos0 + r + 1 > window ? pos0 + r + 1 - window - first : 0;
+        float *row_scores = scores + i * stride;
+        softmax(row_scores + lo, hi + 1 - lo);
+        for (int64_t j = 0; j < lo; j++) row_scores[j] = 0.0f; /* outside this row's range */
+        for (int64_t j = hi + 1; j < n; j++) row_scores[j] = 0.0f;
+    }
+    for (int64_t c = 0; c < queries * chunks; c++) acc[c] = qv[0] * 0.0f;
+    for (int64_t p = first; p <= last;) {
+        const int64_t offset = p % block_size, count = MIN(block_size - offset, last + 1 - p);
+        const int64_t row = (table[p / block_size] * block_size + offset) * num_kv_heads + h;
+        for (int64_t j = 0; j < count; j++, p++) {
+            f32x16 v[chunks];
+            for (int64_t c = 0; c < chunks; c++) v[c] = load16(value, (row + j * num_kv_heads) * head_dim + c * LANES, bf16);
+            for (int64_t i = 0; i < queries; i++) {
+                const float weight = scores[i * stride + (p - first)];
+                for (int64_t c = 0; c < chunks; c++) acc[i * chunks + c] += weight * v[c];
+            }
+        }
+    }
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = 0; c < group * chunks; c++)
+            store16(acc[r * group * chunks + c], out, ((row0 + r) * num_heads + h * group) * head_dim + c * LANES, bf16);
+}
+
+/* Queries [q0, q0 + count) of a tile take their share of one block of m keys
+ * (float32, [m][head_dim]) into their sums; count and chunks constant when inlined. */
+INLINE void accumulate_values(f32x16 *acc, const float *weights, int64_t weight_stride, const float *values,
+                              int64_t m, int64_t q0, int64_t count, int64_t chunks) {
+    f32x16 a[count][chunks];
+    for (int64_t i = 0; i < count; i++)
+        for (int64_t c = 0; c < chunks; c++) a[i][c] = acc[(q0 + i) * chunks + c];
+    for (int64_t j = 0; j < m; j++) {
+        const f32x16 *v = (const f32x16 *)(values + j * chunks * LANES);
+        for (int64_t i = 0; i < count; i++) {
+            const float w = weights[j * weight_stride + q0 + i];
+            for (int64_t c = 0; c < chunks; c++) a[i][c] += w * v[c];
+        }
+    }
+    for (int64_t i = 0; i < count; i++)
+        for (int64_t c = 0; c < chunks; c++) acc[(q0 + i) * chunks + c] = a[i][c];
+}
+
+/* Keys [start, start + m) of the sequence, K or V of head h, as float32 [m][head_dim]. */
+INLINE void load_keys(const void *cache, const int64_t *table, int64_t start, int64_t m, int64_t h,
+                      int64_t num_kv_heads, int64_t block_size, int64_t chunks, float *dst, int bf16) {
+    for (int64_t p = start; p < start + m;) {
+        const int64_t offset = p % block_size, count = MIN(block_size - offset, start + m - p);
+        const int64_t row = (table[p / block_size] * block_size + offset) * num_kv_heads + h;
+        for (int64_t j = 0; j < count; j++, p++)
+            for (int64_t c = 0; c < chunks; c++) {
+                const f32x16 v = load16(cache, (row + j * num_kv_heads) * chunks * LANES + c * LANES, bf16);
+                memcpy(dst + ((p - start) * chunks + c) * LANES, &v, sizeof v);
+            }
+    }
+}
+
+/* Scores of `count` keys (float32 rows of `block`, from row j on) against every
+ * query vector of a tile: up to 4 keys times 4 query vectors of independent
+ * sums, so the FMAs are not waiting on one another. */
+INLINE void score_vectors(const f32x16 *qt, int64_t vectors, int64_t v0, int64_t nv, const float *block,
+                          int64_t head_dim, int64_t j, int64_t count, f32x16 *scores) {
+    f32x16 a[count][nv];
+    for (int64_t k = 0; k < count; k++)
+        for (int64_t v = 0; v < nv; v++) a[k][v] = qt[0] * 0.0f;
+    for (int64_t d = 0; d < head_dim; d++) {
+        const f32x16 *qd = qt + d * vectors + v0;
+        for (int64_t k = 0; k < count; k++) {
+            const float key = block[(j + k) * head_dim + d];
+            for (int64_t v = 0; v < nv; v++) a[k][v] += qd[v] * key;
+        }
+    }
+    for (int64_t k = 0; k < count; k++)
+        for (int64_t v = 0; v < nv; v++) scores[(j + k) * vectors + v0 + v] = a[k][v];
+}
+
+INLINE void score_keys(const f32x16 *qt, int64_t vectors, const float *block, int64_t head_dim, int64_t j,
+                       int64_t count, f32x16 *scores) {
+    int64_t v0 = 0;
+    for (; v0 + 4 <= vectors; v0 += 4) score_vectors(qt, vectors, v0, 4, block, head_dim, j, count, scores);
+    switch (vectors - v0) {
+        case 3: score_vectors(qt, vectors, v0, 3, block, head_dim, j, count, scores); break;
+        case 2: score_vectors(qt, vectors, v0, 2, block, head_dim, j, count, scores); break;
+        case 1: score_vectors(qt, vectors, v0, 1, block, head_dim, j, count, scores); break;
+    }
+}
+
+/* A prefill tile: `rows` query rows from packed row `row0` on, at positions
+ * pos0, pos0 + 1, ..., times the `group` query heads of KV head h. The tile's
+ * queries lie across vector lanes (query i in lane i % 16 of vector i / 16),
+ * so scores are broadcast FMAs with no horizontal sums, and the softmax runs
+ * for 16 queries at once; the value sums stay in registers over a block of keys. */
+INLINE void attend_tile(const void *q, const void *key, const void *value, const int64_t *table, void *out,
+                        int64_t row0, int64_t rows, int64_t pos0, int64_t h, int64_t num_heads, int64_t num_kv_heads,
+                        int64_t block_size, int64_t group, int64_t chunks, float scale, int64_t window,
+                        float *scratch, int bf16) {
+    const int64_t head_dim = chunks * LANES, queries = rows * group, vectors = (queries + LANES - 1) / LANES;
+    const int64_t last = pos0 + rows - 1, first = window > 0 && pos0 + 1 > window ? pos0 + 1 - window : 0;
+    const int64_t n = last + 1 - first;
+    f32x16 *qt = (f32x16 *)scratch;          /* [head_dim][vectors]: the tile's queries, transposed */
+    f32x16 *acc = qt + head_dim * vectors;   /* [vectors * 16][chunks]: the value sums */
+    f32x16 *st = acc + vectors * LANES * chunks; /* [n][vectors]: scores, then weights */
+    float *block = (float *)(st + n * vectors);  /* [KEY_BLOCK][head_dim]: keys or values as float32 */
+    float *weights = (float *)st;
+    i32x16 lo[vectors], hi[vectors]; /* each query's keys, relative to first */
+
+    memset(qt, 0, sizeof(f32x16) * (size_t)(head_dim * vectors));
+    for (int64_t i = 0; i < vectors * LANES; i++) {
+        const int64_t r = i / group, row_hi = pos0 + r - first;
+        lo[i / LANES][i % LANES] = i < queries && window > 0 && pos0 + r + 1 > window ? (int32_t)(pos0 + r + 1 - window - first) : 0;
+        hi[i / LANES][i % LANES] = i < queries ? (int32_t)row_hi : 0; /* padding lanes: key 0 alone */
+        if (i >= queries) continue;
+        const int64_t index = ((row0 + r) * num_heads + h * group + i % group) * head_dim;
+        for (int64_t c = 0; c < chunks; c++) {
+            const f32x16 v = load16(q, index + c * LANES, bf16) * scale;
+            for (int64_t l = 0; l < LANES; l++) ((float *)qt)[((c * LANES + l) * vectors + i / LANES) * LANES + i % LANES] = v[l];
+        }
+    }
+    /* Scores: st[j][v] = sum over d of qt[d][v] * key[j][d]. */
+    for (int64_t start = first; start <= last; start += KEY_BLOCK) {
+        const int64_t m = MIN(KEY_BLOCK, last + 1 - start);
+        load_keys(key, table, start, m, h, num_kv_heads, block_size, chunks, block, bf16);
+        f32x16 *scores = st + (start - first) * vectors;
+        int64_t j = 0;
+        for (; j + 4 <= m; j += 4) score_keys(qt, vectors, block, head_dim, j, 4, scores);
+        for (; j < m; j++) score_keys(qt, vectors, block, head_dim, j, 1, scores);
+    }
+    /* Softmax over each query's own keys, 16 queries at a time; the rest weigh 0. */
+    f32x16 inverse[vectors];
+    for (int64_t v = 0; v < vectors; v++) {
+        f32x16 top = qt[0] * 0.0f - 3.0e38f, total = qt[0] * 0.0f;
+        for (int64_t j = 0; j < n; j++) {
+            const i32x16 in = ((int32_t)j >= lo[v]) & ((int32_t)j <= hi[v]);
+            top = select16(in & (st[j * vectors + v] > top), st[j * vectors + v], top);
+        }
+        for (int64_t j = 0; j < n; j++) {
+            const i32x16 in = ((int32_t)j >= lo[v]) & ((int32_t)j <= hi[v]);
+            const f32x16 e = select16(in, exp16(st[j * vectors + v] - top), top * 0.0f);
+            st[j * vectors + v] = e;
+            total += e;
+        }
+        inverse[v] = 1.0f / total;
+    }
+    /* Values: acc[i] = sum over j of weight[j][i] * value[j], QUERY_GROUP queries at a time. */
+    memset(acc, 0, sizeof(f32x16) * (size_t)(vectors * LANES * chunks));
+    const int64_t group_size = chunks <= 4 ? 4 : chunks <= 8 ? 2 : 1; /* 16 vector registers of sums */
+    for (int64_t start = first; start <= last; start += KEY_BLOCK) {
+        const int64_t m = MIN(KEY_BLOCK, last + 1 - start);
+        load_keys(value, table, start, m, h, num_kv_heads, block_size, chunks, block, bf16);
+        const float *w = weights + (start - first) * vectors * LANES;
+        int64_t i = 0;
+        if (group_size == 4)
+            for (; i + 4 <= queries; i += 4) accumulate_values(acc, w, vectors * LANES, block, m, i, 4, chunks);
+        if (group_size == 2)
+            for (; i + 2 <= queries; i += 2) accumulate_values(acc, w, vectors * LANES, block, m, i, 2, chunks);
+        for (; i < queries; i++) accumulate_values(acc, w, vectors * LANES, block, m, i, 1, chunks);
+    }
+    for (int64_t i = 0; i < queries; i++) {
+        const int64_t r = i / group, index = ((row0 + r) * num_heads + h * group + i % group) * head_dim;
+        const float norm = inverse[i / LANES][i % LANES];
+        for (int64_t c = 0; c < chunks; c++) store16(acc[i * chunks + c] * norm, out, index + c * LANES, bf16);
+    }
+}
+
+INLINE int paged_attention(const void *q, const void *key, const void *value, const int64_t *block_tables,
+                           const int64_t *starts, const int64_t *num_new, const int64_t *context_lens, void *out,
+                           int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                           int64_t max_blocks, int64_t block_size, float scale, int64_t window, int bf16) {
+    const int64_t group = num_heads / num_kv_heads, chunks = head_dim / LANES;
+    /* Tiles of each sequence's rows, numbered across the step: tile t is row
+     * tile_rows[t] of sequence tile_seqs[t]. */
+    int64_t num_tiles = 0, longest = 0;
+    for (int64_t s = 0; s < num_seqs; s++) {
+        num_tiles += (num_new[s] + TILE - 1) / TILE;
+        longest = context_lens[s] > longest ? context_lens[s] : longest;
+    }
+    int64_t *tile_seqs = malloc(sizeof(int64_t) * (size_t)(2 * num_tiles + 1)), *tile_rows = tile_seqs + num_tiles;
+    if (tile_seqs == NULL) return -1;
+    for (int64_t s = 0, t = 0; s < num_seqs; s++)
+        for (int64_t r = 0; r < num_new[s]; r += TILE, t++) tile_seqs[t] = s, tile_rows[t] = r;
+    /* Per thread, enough for either path: a tile's queries (padded to whole
+     * vectors), their sums and scores, and a block of keys as float32. */
+    const int64_t lanes = (TILE * group + LANES - 1) / LANES * LANES;
+    const int64_t padded = (longest + LANES - 1) / LANES * LANES;
+    const size_t scratch_floats = (size_t)(lanes * (2 * head_dim + padded) + KEY_BLOCK * head_dim);
+    int failed = 0;
+#pragma omp parallel
+    {
+        float *scratch = aligned_alloc(64, sizeof(float) * scratch_floats);
+        if (scratch == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < num_tiles * num_kv_heads; task++) {
+            if (scratch == NULL) continue;
+            const int64_t t = task / num_kv_heads, h = task % num_kv_heads, s = tile_seqs[t], r = tile_rows[t];
+            const int64_t rows = MIN(TILE, num_new[s] - r), pos0 = context_lens[s] - num_new[s] + r;
+            const int64_t *table = block_tables + s * max_blocks;
+#define ATTEND(CHUNKS)                                                                                      \
+    if (rows == 1)                                                                                            \
+        attend_row(q, key, value, table, out, starts[s] + r, rows, pos0, h, num_heads, num_kv_heads,          \
+                   block_size, group, CHUNKS, scale, window, scratch, bf16);                                  \
+    else                                                                                                      \
+        attend_tile(q, key, value, table, out, starts[s] + r, rows, pos0, h, num_heads, num_kv_heads,         \
+                    block_size, group, CHUNKS, scale, window, scratch, bf16)
+            switch (chunks) {
+                case 4: ATTEND(4); break; /* head_dim 64 */
+                case 8: ATTEND(8); break; /* head_dim 128 */
+                default: ATTEND(chunks);
+            }
+#undef ATTEND
+        }
+        free(scratch);
+    }
+    free(tile_seqs);
+    return failed ? -1 : 0;
+}
+
+#define ENTRY_POINT(NAME, BF16)                                                                                 \
+    int NAME(const void *q, const void *key, const void *value, const int64_t *block_tables, const int64_t *starts, \
+             const int64_t *num_new, const int64_t *context_lens, void *out, int64_t num_seqs, int64_t num_heads,   \
+             int64_t num_kv_heads, int64_t head_dim, int64_t max_blocks, int64_t block_size, float scale,          \
+             int64_t window) {                                                                                  \
+        return paged_attention(q, key, value, block_tables, starts, num_new, context_lens, out, num_seqs,         \
+                               num_heads, num_kv_heads, head_dim, max_blocks, block_size, scale, window, BF16);  \
+    }
+
+ENTRY_POINT(paged_attention_f32, 0)
+ENTRY_POINT(paged_attention_bf16, 1)

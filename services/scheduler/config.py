@@ -14,7 +14,10 @@ class SchedulerConfig:
     port: int = setting(50052, "gRPC port")
     worker_addresses: tuple[str, ...] = setting(("127.0.0.1:50053",), "comma-separated worker host:port list")
     max_batch_size: int = setting(64, "most sequences in one engine step", alias="maxBatchSize")
-    max_prefill_tokens: int = setting(8192, "most prompt tokens prefilled in one step", alias="maxPrefillTokens")
+    max_prefill_tokens: int = setting(
+        2048, "most prompt tokens prefilled in one step (the reference defaults to 8192; see the README)",
+        alias="maxPrefillTokens",
+    )
     max_seq_len: int = setting(2560, "prompt + output cap in tokens", alias="maxSeqLen")
     max_iter_times: int = setting(512, "default and upper cap of max_tokens", alias="maxIterTimes")
     max_queue_size: int = setting(4096, "most requests waiting before new ones are refused")

@@ -111,64 +111,6 @@ INLINE void softmax(float *scores, int64_t n) {
     for (int64_t i = 0; i < n; i++) scores[i] *= inverse;
 }
 
-/* Decode (one query row): the `group` query heads of KV head h, key by key
- * with a horizontal sum per dot product; with this few queries per key that
- * beats transposing anything. Inlined with a constant `chunks` for the common
- * head sizes, so that one key's chunks stay in registers. */
-INLINE void attend_row(const void *q, const void *key, const void *value, const int64_t *table, void *out,
-                   int64_t row0, int64_t rows, int64_t pos0, int64_t h, int64_t num_heads, int64_t num_kv_heads,
-                   int64_t block_size, int64_t group, int64_t chunks, float scale, int64_t window, float *scratch,
-                   int bf16) {
-    const int64_t head_dim = chunks * LANES, queries = rows * group;
-    /* Keys [first, last] cover every row's range; row r sees [lo(r), pos0 + r]. */
-    const int64_t last = pos0 + rows - 1, first = window > 0 && pos0 + 1 > window ? pos0 + 1 - window : 0;
-    const int64_t n = last + 1 - first, stride = (n + LANES - 1) / LANES * LANES;
-    f32x16 *qv = (f32x16 *)scratch, *acc = qv + queries * chunks;
-    float *scores = (float *)(acc + queries * chunks);
-
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t c = 0; c < group * chunks; c++)
-            qv[r * group * chunks + c] = load16(q, ((row0 + r) * num_heads + h * group) * head_dim + c * LANES, bf16) * scale;
-    /* Keys block by block: p runs over [first, last], slot = block * block_size + offset. */
-    for (int64_t p = first; p <= last;) {
-        const int64_t offset = p % block_size, count = MIN(block_size - offset, last + 1 - p);
-        const int64_t row = (table[p / block_size] * block_size + offset) * num_kv_heads + h;
-        for (int64_t j = 0; j < count; j++, p++) {
-            f32x16 k[chunks];
-            for (int64_t c = 0; c < chunks; c++) k[c] = load16(key, (row + j * num_kv_heads) * head_dim + c * LANES, bf16);
-            for (int64_t i = 0; i < queries; i++) {
-                f32x16 dot = qv[i * chunks] * k[0];
-                for (int64_t c = 1; c < chunks; c++) dot += qv[i * chunks + c] * k[c];
-                scores[i * stride + (p - first)] = sum16(dot);
-            }
-        }
-    }
-    for (int64_t i = 0; i < queries; i++) {
-        const int64_t r = i / group, hi = pos0 + r - first;
-        const int64_t lo = window > 0 && pos0 + r + 1 > window ? pos0 + r + 1 - window - first : 0;
-        float *row_scores = scores + i * stride;
-        softmax(row_scores + lo, hi + 1 - lo);
-        for (int64_t j = 0; j < lo; j++) row_scores[j] = 0.0f; /* outside this row's range */
-        for (int64_t j = hi + 1; j < n; j++) row_scores[j] = 0.0f;
-    }
-    for (int64_t c = 0; c < queries * chunks; c++) acc[c] = qv[0] * 0.0f;
-    for (int64_t p = first; p <= last;) {
-        const int64_t offset = p % block_size, count = MIN(block_size - offset, last + 1 - p);
-        const int64_t row = (table[p / block_size] * block_size + offset) * num_kv_heads + h;
-        for (int64_t j = 0; j < count; j++, p++) {
-            f32x16 v[chunks];
-            for (int64_t c = 0; c < chunks; c++) v[c] = load16(value, (row + j * num_kv_heads) * head_dim + c * LANES, bf16);
-            for (int64_t i = 0; i < queries; i++) {
-                const float weight = scores[i * stride + (p - first)];
-                for (int64_t c = 0; c < chunks; c++) acc[i * chunks + c] += weight * v[c];
-            }
-        }
-    }
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t c = 0; c < group * chunks; c++)
-            store16(acc[r * group * chunks + c], out, ((row0 + r) * num_heads + h * group) * head_dim + c * LANES, bf16);
-}
-
 /* Queries [q0, q0 + count) of a tile take their share of one block of m keys
  * (float32, [m][head_dim]) into their sums; count and chunks constant when inlined. */
 INLINE void accumulate_values(f32x16 *acc, const float *weights, int64_t weight_stride, const float *values,
@@ -187,18 +129,101 @@ INLINE void accumulate_values(f32x16 *acc, const float *weights, int64_t weight_
         for (int64_t c = 0; c < chunks; c++) acc[(q0 + i) * chunks + c] = a[i][c];
 }
 
-/* Keys [start, start + m) of the sequence, K or V of head h, as float32 [m][head_dim]. */
+/* Keys [start, start + m) of the sequence, K or V of head h, as float32 [m][head_dim].
+ * Rows of the next block are prefetched while this one converts: blocks lie
+ * anywhere in the pool, so the hardware prefetcher cannot run ahead across them. */
 INLINE void load_keys(const void *cache, const int64_t *table, int64_t start, int64_t m, int64_t h,
                       int64_t num_kv_heads, int64_t block_size, int64_t chunks, float *dst, int bf16) {
+    const int64_t row_bytes = chunks * LANES * (bf16 ? 2 : 4);
     for (int64_t p = start; p < start + m;) {
         const int64_t offset = p % block_size, count = MIN(block_size - offset, start + m - p);
         const int64_t row = (table[p / block_size] * block_size + offset) * num_kv_heads + h;
+        const int64_t ahead = MIN(block_size, start + m - (p + count)); /* rows of the next block we use */
+        if (ahead > 0) {
+            const char *next = (const char *)cache + (table[(p + count) / block_size] * block_size * num_kv_heads + h) * row_bytes;
+            for (int64_t j = 0; j < ahead; j++)
+                for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(next + j * num_kv_heads * row_bytes + b);
+        }
         for (int64_t j = 0; j < count; j++, p++)
             for (int64_t c = 0; c < chunks; c++) {
                 const f32x16 v = load16(cache, (row + j * num_kv_heads) * chunks * LANES + c * LANES, bf16);
                 memcpy(dst + ((p - start) * chunks + c) * LANES, &v, sizeof v);
             }
     }
+}
+
+/* The sums of 16 vectors as one vector: lane i = the sum of v[i]. A tree of
+ * shuffles and adds that halves the width at each level (45 operations where
+ * 16 horizontal sums take about 150); its lanes come out in bit-reversed order. */
+INLINE f32x16 sum16x16(const f32x16 *v) {
+    f32x16 w[8], x[4], y[2];
+    for (int i = 0; i < 8; i++)
+        w[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+               __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    for (int i = 0; i < 4; i++)
+        x[i] = __builtin_shufflevector(w[2 * i], w[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+               __builtin_shufflevector(w[2 * i], w[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int i = 0; i < 2; i++)
+        y[i] = __builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+               __builtin_shufflevector(x[2 * i], x[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+    const f32x16 z = __builtin_shufflevector(y[0], y[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+                     __builtin_shufflevector(y[0], y[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+    return __builtin_shufflevector(z, z, 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
+}
+
+/* Decode (one query row at position pos0): the `group` query heads of KV head
+ * h. Keys come in blocks converted to float32; each head scores 16 keys at a
+ * time with one reduction tree for the 16 dot products, and sums the values in
+ * registers. Inlined with a constant `chunks` for the common head sizes. */
+INLINE void attend_row(const void *q, const void *key, const void *value, const int64_t *table, void *out,
+                       int64_t row0, int64_t pos0, int64_t h, int64_t num_heads, int64_t num_kv_heads,
+                       int64_t block_size, int64_t group, int64_t chunks, float scale, int64_t window,
+                       float *scratch, int bf16) {
+    const int64_t head_dim = chunks * LANES, q_index = (row0 * num_heads + h * group) * head_dim;
+    const int64_t first = window > 0 && pos0 + 1 > window ? pos0 + 1 - window : 0, n = pos0 + 1 - first;
+    const int64_t stride = (n + LANES - 1) / LANES * LANES;
+    f32x16 *qv = (f32x16 *)scratch, *acc = qv + group * chunks;
+    float *scores = (float *)(acc + group * chunks), *block = scores + group * stride;
+
+    for (int64_t c = 0; c < group * chunks; c++) qv[c] = load16(q, q_index + c * LANES, bf16) * scale;
+    for (int64_t start = first; start <= pos0; start += KEY_BLOCK) {
+        const int64_t m = MIN(KEY_BLOCK, pos0 + 1 - start);
+        load_keys(key, table, start, m, h, num_kv_heads, block_size, chunks, block, bf16);
+        for (int64_t j0 = 0; j0 < m; j0 += LANES) {
+            const int64_t count = MIN(LANES, m - j0);
+            for (int64_t g = 0; g < group; g++) {
+                f32x16 dots[LANES];
+                for (int64_t j = 0; j < LANES; j++) {
+                    dots[j] = qv[0] * 0.0f;
+                    if (j >= count) continue;
+                    const f32x16 *k = (const f32x16 *)(block + (j0 + j) * head_dim);
+                    for (int64_t c = 0; c < chunks; c++) dots[j] += qv[g * chunks + c] * k[c];
+                }
+                const f32x16 sums = sum16x16(dots);
+                memcpy(scores + g * stride + (start - first) + j0, &sums, (size_t)count * sizeof(float));
+            }
+        }
+    }
+    for (int64_t g = 0; g < group; g++) softmax(scores + g * stride, n);
+    for (int64_t c = 0; c < group * chunks; c++) acc[c] = qv[0] * 0.0f;
+    for (int64_t start = first; start <= pos0; start += KEY_BLOCK) {
+        const int64_t m = MIN(KEY_BLOCK, pos0 + 1 - start);
+        load_keys(value, table, start, m, h, num_kv_heads, block_size, chunks, block, bf16);
+        for (int64_t g = 0; g < group; g++) {
+            const float *w = scores + g * stride + (start - first);
+            f32x16 a[chunks], b[chunks]; /* two partial sums: consecutive keys do not wait on each other */
+            for (int64_t c = 0; c < chunks; c++) a[c] = acc[g * chunks + c], b[c] = qv[0] * 0.0f;
+            int64_t j = 0;
+            for (; j + 2 <= m; j += 2) {
+                const f32x16 *v0 = (const f32x16 *)(block + j * head_dim), *v1 = v0 + chunks;
+                for (int64_t c = 0; c < chunks; c++) a[c] += w[j] * v0[c], b[c] += w[j + 1] * v1[c];
+            }
+            if (j < m)
+                for (int64_t c = 0; c < chunks; c++) a[c] += w[j] * ((const f32x16 *)(block + j * head_dim))[c];
+            for (int64_t c = 0; c < chunks; c++) acc[g * chunks + c] = a[c] + b[c];
+        }
+    }
+    for (int64_t c = 0; c < group * chunks; c++) store16(acc[c], out, q_index + c * LANES, bf16);
 }
 
 /* Scores of `count` keys (float32 rows of `block`, from row j on) against every
@@ -345,8 +370,8 @@ INLINE int paged_attention(const void *q, const void *key, const void *value, co
             const int64_t *table = block_tables + s * max_blocks;
 #define ATTEND(CHUNKS)                                                                                      \
     if (rows == 1)                                                                                            \
-        attend_row(q, key, value, table, out, starts[s] + r, rows, pos0, h, num_heads, num_kv_heads,          \
-                   block_size, group, CHUNKS, scale, window, scratch, bf16);                                  \
+        attend_row(q, key, value, table, out, starts[s] + r, pos0, h, num_heads, num_kv_heads, block_size,    \
+                   group, CHUNKS, scale, window, scratch, bf16);                                              \
     else                                                                                                      \
         attend_tile(q, key, value, table, out, starts[s] + r, rows, pos0, h, num_heads, num_kv_heads,         \
                     block_size, group, CHUNKS, scale, window, scratch, bf16)

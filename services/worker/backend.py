@@ -12,8 +12,8 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -29,8 +29,15 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 
-# x [..., in] -> [..., out]
-Linear = Callable[[torch.Tensor], torch.Tensor]
+class Linear(Protocol):
+    """x [..., in] -> x @ weight.T + bias [..., out], plus `residual` when given
+    (fused into the matmul where the device can)."""
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor: ...
+
+
+def _add(y: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    return y if residual is None else y + residual
 
 # The batch size oneDNN lays packed weights out for; measured on a 2-core AVX-512
 # machine, packing for 32 rows serves 1 to 256 rows about as well as an exact hint.
@@ -95,21 +102,24 @@ class Backend:
         bias = None if bias is None else bias.detach()
         prepacks = weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and cpu_computes_bfloat16())
         if self.name != "cpu" or not torch.backends.mkldnn.is_available() or not prepacks:
-            return lambda x: F.linear(x, weight, bias)
+            return lambda x, residual=None: _add(F.linear(x, weight, bias), residual)
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACKING_ROWS)
 
-        def onednn(x: torch.Tensor) -> torch.Tensor:
-            return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        def onednn(x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+            if residual is None:
+                return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+            # The residual add as the matmul's epilogue: no extra pass over the activations.
+            return torch.ops.mkldnn._linear_pointwise.binary(x, residual, packed, bias, "add")
 
         four_bit = int4.pack_if_4bit(weight) if weight.dtype == torch.bfloat16 else None
         if four_bit is None:
             return onednn
 
-        def small_batch_int4(x: torch.Tensor) -> torch.Tensor:
+        def small_batch_int4(x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
             if x.shape[0] > _INT4_MAX_ROWS:
-                return onednn(x)
+                return onednn(x, residual)
             y = int4.int4_linear(x, *four_bit)
-            return y if bias is None else y + bias
+            return _add(y if bias is None else y + bias, residual)
 
         return small_batch_int4
 
@@ -121,6 +131,15 @@ class Backend:
         if self.name != "cpu":
             return None
         return cpu_kernels.paged_attention(dtype, num_heads, num_kv_heads, head_dim)
+
+    def layer_ops(
+        self, dtype: torch.dtype, hidden_size: int, intermediate_size: int, head_dim: int
+    ) -> cpu_kernels.LayerOps | None:
+        """This device's one-pass RMSNorm, rotary and SiLU-times-up for `dtype` and
+        these sizes; None means decoder.py's torch ops."""
+        if self.name != "cpu":
+            return None
+        return cpu_kernels.layer_ops(dtype, hidden_size, intermediate_size, head_dim)
 
     def set_num_threads(self, num_threads: int) -> None:
         if num_threads > 0:

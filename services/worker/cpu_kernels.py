@@ -1,18 +1,25 @@
 """Native CPU kernels (kernels/*.c), built on first use with the system C compiler.
 
-Paged attention is the one kernel so far. torch's CPU attention (SDPA) pays a
-fixed cost per (sequence, head) that dwarfs the work of one decode row over a
-few hundred keys, runs short causal prefills at about 100 GFLOP/s, and reading
-K/V through a block table first needs a gather. paged_attention.c reads the
-pool in place and attends every row of a step, decodes and prefill chunks, in
-one call per layer. The pure-torch path (attention.py) stays the reference, and
-the fallback where no compiler or no kernel exists (other devices, float16).
+- Paged attention (paged_attention.c). torch's CPU attention (SDPA) pays a
+  fixed cost per (sequence, head) that dwarfs the work of one decode row over a
+  few hundred keys, runs short causal prefills at about 100 GFLOP/s, and
+  reading K/V through a block table first needs a gather. The kernel reads the
+  pool in place and attends every row of a step, decodes and prefill chunks,
+  in one call per layer.
+- One-pass RMSNorm, rotary embedding and SiLU-times-up (elementwise.c), which
+  torch runs as several passes each over activations that a prefill step no
+  longer holds in cache.
 
-The library is built for this CPU (-march=native) into the stormserve cache,
-keyed by the source, the flags, the compiler and the CPU's flags, so a changed
-machine never loads a build made for another. It links the OpenMP runtime by
-soname, which resolves to the libgomp torch has already loaded: the kernel runs
-on torch's thread team rather than a second one competing for the cores.
+The pure-torch paths (attention.py, decoder.py) stay the reference the tests
+hold these to, and the fallback where no compiler or no kernel exists (other
+devices, float16, sizes the kernels do not take).
+
+All sources build into one library for this CPU (-march=native) in the
+stormserve cache, keyed by the sources, the flags, the compiler and the CPU's
+flags, so a changed machine never loads a build made for another. It links the
+OpenMP runtime by soname, which resolves to the libgomp torch has already
+loaded: the kernels run on torch's thread team rather than a second one
+competing for the cores.
 """
 from __future__ import annotations
 
@@ -32,13 +39,20 @@ from services.common.model_files import cache_root
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "kernels" / "paged_attention.c"
+_KERNELS = Path(__file__).parent / "kernels"
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
-_ENTRY_POINTS = {torch.float32: "paged_attention_f32", torch.bfloat16: "paged_attention_bf16"}
-# As in paged_attention.c: head_dim must be a multiple of LANES, heads / kv_heads at most MAX_GROUP.
+_SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+# As in the sources: vectors of LANES floats; heads / kv_heads at most MAX_GROUP.
 _LANES = 16
 _MAX_GROUP = 16
-_ARGTYPES = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int64]
+_SIGNATURES: dict[str, list] = {
+    "paged_attention": [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int64],
+    "rms_norm": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                 ctypes.c_int64, ctypes.c_float],
+    "silu_mul": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64],
+    "rotary": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+               ctypes.c_int64, ctypes.c_int64],
+}
 
 
 def _cpu_flags() -> str:
@@ -52,18 +66,18 @@ def _cpu_flags() -> str:
 
 
 def _build(compiler: str) -> Path:
+    sources = sorted(_KERNELS.glob("*.c"))
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256(
-        "\0".join([_SOURCE.read_text(), " ".join(_FLAGS), version, _cpu_flags()]).encode()
-    ).hexdigest()[:16]
-    target = cache_root() / "kernels" / f"{_SOURCE.stem}-{key}.so"
+    texts = [p.read_text() for p in sorted(_KERNELS.glob("*.[ch]"))]
+    key = hashlib.sha256("\0".join([*texts, " ".join(_FLAGS), version, _cpu_flags()]).encode()).hexdigest()[:16]
+    target = cache_root() / "kernels" / f"cpu_kernels-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     # Build beside the target and rename: workers starting together never load a partial file.
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(built), "-lm"],
+        subprocess.run([compiler, *_FLAGS, *map(str, sources), "-o", str(built), "-lm"],
                        capture_output=True, text=True, check=True)
         os.replace(built, target)
     log.info("built %s", target)
@@ -74,19 +88,27 @@ def _build(compiler: str) -> Path:
 def _library() -> ctypes.CDLL | None:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        log.warning("no C compiler: attention runs on torch's SDPA (slower)")
+        log.warning("no C compiler: attention and norms run in plain torch (slower)")
         return None
     try:
         library = ctypes.CDLL(str(_build(compiler)))
     except (OSError, subprocess.CalledProcessError) as exc:
         detail = getattr(exc, "stderr", "") or exc
-        log.warning("building the CPU attention kernel failed, using torch's SDPA: %s", detail)
+        log.warning("building the CPU kernels failed, running plain torch instead: %s", detail)
         return None
-    for name in _ENTRY_POINTS.values():
-        function = getattr(library, name)
-        function.argtypes = _ARGTYPES
-        function.restype = ctypes.c_int
+    for kernel, argtypes in _SIGNATURES.items():
+        for suffix in _SUFFIXES.values():
+            function = getattr(library, f"{kernel}_{suffix}")
+            function.argtypes = argtypes
+            function.restype = ctypes.c_int if kernel == "paged_attention" else None
     return library
+
+
+def _function(kernel: str, dtype: torch.dtype):
+    """The kernel's entry point for `dtype`, or None (no such dtype, no library)."""
+    suffix = _SUFFIXES.get(dtype)
+    library = _library() if suffix is not None else None
+    return None if library is None else getattr(library, f"{kernel}_{suffix}")
 
 
 class PagedAttention:
@@ -125,7 +147,48 @@ class PagedAttention:
 def paged_attention(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> PagedAttention | None:
     """The kernel for a CPU pool of `dtype` and this attention shape, or None where
     there is none (then attention.py's SDPA path runs)."""
-    name = _ENTRY_POINTS.get(dtype)
-    supported = head_dim % _LANES == 0 and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= _MAX_GROUP
-    library = _library() if name is not None and supported else None
-    return None if library is None else PagedAttention(getattr(library, name))
+    if head_dim % _LANES or num_heads % num_kv_heads or num_heads // num_kv_heads > _MAX_GROUP:
+        return None
+    function = _function("paged_attention", dtype)
+    return None if function is None else PagedAttention(function)
+
+
+class LayerOps:
+    """RMSNorm, rotary embedding and SiLU-times-up of one dtype, one pass each."""
+
+    def __init__(self, dtype: torch.dtype):
+        self._rms_norm = _function("rms_norm", dtype)
+        self._silu_mul = _function("silu_mul", dtype)
+        self._rotary = _function("rotary", dtype)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x [rows, dim] (rows may be strided) -> a new contiguous [rows, dim]."""
+        rows, dim = x.shape
+        out = torch.empty((rows, dim), dtype=x.dtype)
+        self._rms_norm(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), rows, dim, eps)
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up [rows, 2 * dim] (contiguous) -> silu(gate) * up [rows, dim]."""
+        rows, dim = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty((rows, dim), dtype=gate_up.dtype)
+        self._silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, dim)
+        return out
+
+    def rotate_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotary embedding in place on x [rows, heads, head_dim] (rows may be
+        strided, heads contiguous), cos and sin [rows, head_dim]; returns x."""
+        rows, heads, head_dim = x.shape
+        self._rotary(x.data_ptr(), x.stride(0), cos.contiguous().data_ptr(), sin.contiguous().data_ptr(),
+                     rows, heads, head_dim)
+        return x
+
+
+def layer_ops(dtype: torch.dtype, hidden_size: int, intermediate_size: int, head_dim: int) -> LayerOps | None:
+    """One-pass layer ops for CPU tensors of `dtype` and these sizes, or None
+    where there are none (then decoder.py runs the torch ops)."""
+    if hidden_size % _LANES or intermediate_size % _LANES or head_dim % (2 * _LANES):
+        return None
+    if _function("rms_norm", dtype) is None:
+        return None
+    return LayerOps(dtype)

@@ -4,8 +4,10 @@ The HF modules run a decode step as hundreds of small module calls; at small
 batch on CPU that Python overhead costs as much as the matmuls. This path takes
 the same weights out of the loaded HF model and runs the same math with fewer
 ops: Q/K/V fused into one matmul, gate/up fused into one, the rotary table
-computed once per step, and every linear prepared by the backend (prepacked
-for oneDNN on CPU bfloat16). Attention is the same paged attention the HF path
+computed once per step, every linear prepared by the backend (prepacked for
+oneDNN on CPU bfloat16, residual adds fused into o_proj and down), and on CPU
+one-pass kernels for RMSNorm, rotary and SiLU-times-up (cpu_kernels.LayerOps;
+TorchLayerOps elsewhere). Attention is the same paged attention the HF path
 uses (attention.paged_attention).
 
 Models of other families keep running through the HF modules (model_runner
@@ -37,15 +39,27 @@ class _Layer:
     sliding_window: int | None
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Accumulates in float32 and rounds once; HF rounds once more in bfloat16.
-    return F.rms_norm(x, x.shape[-1:], weight, eps=eps)
+class TorchLayerOps:
+    """RMSNorm, rotary embedding and SiLU-times-up in torch ops: on devices without
+    fused kernels, and the reference cpu_kernels.LayerOps is tested against."""
 
+    @staticmethod
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        # Accumulates in float32 and rounds once; HF rounds once more in bfloat16.
+        return F.rms_norm(x, x.shape[-1:], weight, eps=eps)
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    @staticmethod
+    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [rows, heads, head_dim], cos and sin [rows, head_dim]; a new tensor
+        here (callers use the result, not x)."""
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
 class LeanDecoder:
@@ -74,6 +88,9 @@ class LeanDecoder:
         self.head_dim: int = first.head_dim
         self.scaling: float = first.scaling
         self.layers = [self._layer(layer, config, backend) for layer in base.layers]
+        self.ops = backend.layer_ops(
+            self.embed.dtype, config.hidden_size, config.intermediate_size, self.head_dim
+        ) or TorchLayerOps()
 
     @staticmethod
     def _layer(layer: torch.nn.Module, config, backend: Backend) -> _Layer:
@@ -105,22 +122,21 @@ class LeanDecoder:
         """input_ids [T] packed as `step` lays them out; logits [len(logit_rows), vocab]."""
         x = self.embed[input_ids]  # [T, hidden]
         cos, sin = self.rotary(x, step.positions[None])
-        cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # [T, 1, head_dim]
+        cos, sin = cos[0], sin[0]  # [T, head_dim]
+        ops = self.ops
         num_q = self.num_heads * self.head_dim
         num_kv = self.num_kv_heads * self.head_dim
         for index, layer in enumerate(self.layers):
-            h = _rms_norm(x, layer.input_norm, self.eps)
-            qkv = layer.qkv(h)
+            qkv = layer.qkv(ops.rms_norm(x, layer.input_norm, self.eps))
             # Q and K heads side by side: one norm and one rotation for both.
             qk = qkv[:, : num_q + num_kv].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
             if layer.qk_norm is not None:
                 qk = F.rms_norm(qk, qk.shape[-1:], eps=self.eps) * layer.qk_norm
-            q, k = _rotate(qk, cos, sin).split((self.num_heads, self.num_kv_heads), dim=1)
+            q, k = ops.rotate_(qk, cos, sin).split((self.num_heads, self.num_kv_heads), dim=1)
             v = qkv[:, num_q + num_kv :].view(-1, self.num_kv_heads, self.head_dim)
             o = paged_attention(q, k, v, index, step, self.scaling, layer.sliding_window)
-            x = x + layer.o_proj(o.view(-1, num_q))
-            h = _rms_norm(x, layer.post_attention_norm, self.eps)
-            gate, up = layer.gate_up(h).chunk(2, dim=-1)
-            x = x + layer.down(F.silu(gate) * up)
-        last = _rms_norm(x.index_select(0, logit_rows), self.final_norm, self.eps)
+            x = layer.o_proj(o.view(-1, num_q), residual=x)
+            h = ops.rms_norm(x, layer.post_attention_norm, self.eps)
+            x = layer.down(ops.silu_mul(layer.gate_up(h)), residual=x)
+        last = ops.rms_norm(x.index_select(0, logit_rows), self.final_norm, self.eps)
         return self.lm_head(last)

@@ -89,7 +89,7 @@ def main() -> None:
     parser.add_argument("--kv-cache-mib", type=int, default=1024)
     parser.add_argument("--cache-block-size", type=int, default=16)
     parser.add_argument("--max-batch-size", type=int, default=64)
-    parser.add_argument("--max-prefill-tokens", type=int, default=2048, help="as the scheduler's maxPrefillTokens")
+    parser.add_argument("--max-prefill-tokens", type=int, default=1024, help="as the scheduler's maxPrefillTokens")
     parser.add_argument("--concurrency", default="32", help="comma list of closed-loop levels")
     parser.add_argument("--num-requests", type=int, default=32, help="requests per level")
     parser.add_argument("--input-len", type=int, default=200, help="approximate prompt tokens")

@@ -15,7 +15,7 @@ class SchedulerConfig:
     worker_addresses: tuple[str, ...] = setting(("127.0.0.1:50053",), "comma-separated worker host:port list")
     max_batch_size: int = setting(64, "most sequences in one engine step", alias="maxBatchSize")
     max_prefill_tokens: int = setting(
-        2048, "most prompt tokens prefilled in one step (the reference defaults to 8192; see the README)",
+        1024, "most prompt tokens prefilled in one step (the reference defaults to 8192; see the README)",
         alias="maxPrefillTokens",
     )
     max_seq_len: int = setting(2560, "prompt + output cap in tokens", alias="maxSeqLen")

@@ -1,7 +1,12 @@
-"""The benchmark's own logic: a fixed dataset, honest percentiles, a plot."""
+"""The benchmark's own logic: a fixed dataset, honest percentiles, a plot, and its
+HTTP client reading server-sent events however a server frames them."""
 from __future__ import annotations
 
-from bench.serve import level_prompts, make_prompts, percentiles, plot
+import asyncio
+
+import pytest
+
+from bench.serve import HTTPStatusError, level_prompts, make_prompts, percentiles, plot, post_events
 
 
 def test_dataset_is_fixed_by_the_seed():
@@ -31,3 +36,56 @@ def test_levels_share_no_prompt():
     assert all(len(prompts) == 8 for prompts in measured)
     assert len(set(everything)) == len(everything)
     assert level_prompts(8, 100, seed=0, level=1) == level_prompts(8, 100, seed=0, level=1)
+
+
+EVENTS = [b'{"choices": [{"delta": {"content": "Hel"}}]}', b'{"choices": [{"delta": {"content": "lo"}}]}', b"[DONE]"]
+
+
+async def _serve_once(response: bytes) -> tuple[asyncio.AbstractServer, int, list[bytes]]:
+    """A server that answers one request with `response`, written in 7-byte pieces."""
+    requests: list[bytes] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(next(line for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+                     .split(b":")[1])
+        requests.append(head + await reader.readexactly(length))
+        for i in range(0, len(response), 7):
+            writer.write(response[i : i + 7])
+            await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1], requests
+
+
+def _chunked(body: bytes, piece: int) -> bytes:
+    return b"".join(b"%x\r\n%s\r\n" % (len(body[i : i + piece]), body[i : i + piece])
+                    for i in range(0, len(body), piece)) + b"0\r\n\r\n"
+
+
+async def _collect(response: bytes) -> tuple[list[bytes], list[bytes]]:
+    server, port, requests = await _serve_once(response)
+    async with server:
+        events = [e async for e in post_events(f"http://127.0.0.1:{port}/v1/chat/completions", b'{"a": 1}')]
+    return events, requests
+
+
+@pytest.mark.parametrize("separator", [b"\n\n", b"\r\n\r\n"])
+@pytest.mark.parametrize("chunked", [True, False])
+def test_client_reads_every_event_however_framed(separator, chunked):
+    body = b"".join(b"data: " + e + separator for e in EVENTS)
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+    # Chunks of 11 bytes cut lines and events anywhere; without chunking the body runs to the close.
+    response = head + (b"Transfer-Encoding: chunked\r\n\r\n" + _chunked(body, 11) if chunked else b"\r\n" + body)
+    events, requests = asyncio.run(_collect(response))
+    assert events == EVENTS
+    assert requests[0].startswith(b"POST /v1/chat/completions HTTP/1.1\r\n")
+    assert requests[0].endswith(b'\r\n\r\n{"a": 1}')
+
+
+def test_client_reports_a_refusal_with_its_body():
+    body = b'{"error": "bad temperature"}'
+    response = b"HTTP/1.1 422 Unprocessable Entity\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+    with pytest.raises(HTTPStatusError, match="HTTP 422.*bad temperature"):
+        asyncio.run(_collect(response))

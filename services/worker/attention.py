@@ -75,8 +75,8 @@ class PagedStep:
     pool: KVCachePool
     positions: torch.Tensor  # [T] position of every packed token
     slot_mapping: torch.Tensor  # [T] pool slot each new token's K/V is written to
-    sequences: StepSequences
     kernel: PagedAttention | None  # None: the step attends through SDPA, as laid out below
+    sequences: StepSequences | None  # the kernel's view of the step; None without a kernel
     prefills: tuple[PrefillChunk, ...]
     decode: DecodeBatch | None
 
@@ -112,9 +112,9 @@ def build_paged_step(
     starts = torch.cumsum(new, 0) - new
     positions = torch.arange(int(new.sum())) - starts[seq_of_row] + computed[seq_of_row]
     slot_mapping = _slots(tables[seq_of_row], positions, block_size)
-    sequences = StepSequences(tables.to(device), starts.to(device), new.to(device), context.to(device))
     if kernel is not None:
-        return PagedStep(pool, positions.to(device), slot_mapping.to(device), sequences, kernel, (), None)
+        sequences = StepSequences(tables.to(device), starts.to(device), new.to(device), context.to(device))
+        return PagedStep(pool, positions.to(device), slot_mapping.to(device), kernel, sequences, (), None)
 
     prefills = []
     for i in range(num_seqs):
@@ -144,9 +144,7 @@ def build_paged_step(
             query_positions=(lengths - 1)[:, None].to(device),
             mask=(key_positions < lengths[:, None])[:, None, None, :].to(device),
         )
-    return PagedStep(
-        pool, positions.to(device), slot_mapping.to(device), sequences, None, tuple(prefills), decode
-    )
+    return PagedStep(pool, positions.to(device), slot_mapping.to(device), None, None, tuple(prefills), decode)
 
 
 def _slots(tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -198,6 +196,7 @@ def paged_attention(
 
     if step.kernel is not None:
         seqs = step.sequences
+        assert seqs is not None  # built with the kernel
         return step.kernel(
             query, key_cache, value_cache, seqs.block_tables, seqs.starts, seqs.num_new, seqs.context_lens,
             step.pool.spec.block_size, query.shape[-1] ** -0.5 if scaling is None else scaling, sliding_window,

@@ -175,7 +175,7 @@ class LayerOps:
         self._silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, dim)
         return out
 
-    def rotate_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotary embedding in place on x [rows, heads, head_dim] (rows may be
         strided, heads contiguous), cos and sin [rows, head_dim]; returns x."""
         rows, heads, head_dim = x.shape

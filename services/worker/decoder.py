@@ -54,9 +54,9 @@ class TorchLayerOps:
         return F.silu(gate) * up
 
     @staticmethod
-    def rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [rows, heads, head_dim], cos and sin [rows, head_dim]; a new tensor
-        here (callers use the result, not x)."""
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [rows, heads, head_dim], cos and sin [rows, head_dim]; the rotated
+        heads (a new tensor here; the CPU kernel rotates x in place)."""
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos[:, None, :] + rotated * sin[:, None, :]
@@ -132,7 +132,7 @@ class LeanDecoder:
             qk = qkv[:, : num_q + num_kv].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
             if layer.qk_norm is not None:
                 qk = F.rms_norm(qk, qk.shape[-1:], eps=self.eps) * layer.qk_norm
-            q, k = ops.rotate_(qk, cos, sin).split((self.num_heads, self.num_kv_heads), dim=1)
+            q, k = ops.rotate(qk, cos, sin).split((self.num_heads, self.num_kv_heads), dim=1)
             v = qkv[:, num_q + num_kv :].view(-1, self.num_kv_heads, self.head_dim)
             o = paged_attention(q, k, v, index, step, self.scaling, layer.sliding_window)
             x = layer.o_proj(o.view(-1, num_q), residual=x)

@@ -28,6 +28,11 @@
 #define TILE 16     /* query rows per prefill task */
 #define KEY_BLOCK 128 /* keys converted to float32 at a time */
 
+/* The first key a query at `position` sees: 0, or the start of its sliding window. */
+INLINE int64_t first_key(int64_t position, int64_t window) {
+    return window > 0 && position + 1 > window ? position + 1 - window : 0;
+}
+
 /* Softmax of n scores in place (n >= 1); nothing past them is touched. */
 INLINE void softmax(float *scores, int64_t n) {
     float top = scores[0];
@@ -115,7 +120,7 @@ INLINE void attend_row(const void *q, const void *key, const void *value, const 
                        int64_t block_size, int64_t group, int64_t chunks, float scale, int64_t window,
                        float *scratch, int bf16) {
     const int64_t head_dim = chunks * LANES, q_index = (row0 * num_heads + h * group) * head_dim;
-    const int64_t first = window > 0 && pos0 + 1 > window ? pos0 + 1 - window : 0, n = pos0 + 1 - first;
+    const int64_t first = first_key(pos0, window), n = pos0 + 1 - first;
     const int64_t stride = (n + LANES - 1) / LANES * LANES;
     f32x16 *qv = (f32x16 *)scratch, *acc = qv + group * chunks;
     float *scores = (float *)(acc + group * chunks), *block = scores + group * stride;
@@ -201,7 +206,7 @@ INLINE void attend_tile(const void *q, const void *key, const void *value, const
                         int64_t block_size, int64_t group, int64_t chunks, float scale, int64_t window,
                         float *scratch, int bf16) {
     const int64_t head_dim = chunks * LANES, queries = rows * group, vectors = (queries + LANES - 1) / LANES;
-    const int64_t last = pos0 + rows - 1, first = window > 0 && pos0 + 1 > window ? pos0 + 1 - window : 0;
+    const int64_t last = pos0 + rows - 1, first = first_key(pos0, window);
     const int64_t n = last + 1 - first;
     f32x16 *qt = (f32x16 *)scratch;          /* [head_dim][vectors]: the tile's queries, transposed */
     f32x16 *acc = qt + head_dim * vectors;   /* [vectors * 16][chunks]: the value sums */
@@ -213,7 +218,7 @@ INLINE void attend_tile(const void *q, const void *key, const void *value, const
     memset(qt, 0, sizeof(f32x16) * (size_t)(head_dim * vectors));
     for (int64_t i = 0; i < vectors * LANES; i++) {
         const int64_t r = i / group, row_hi = pos0 + r - first;
-        lo[i / LANES][i % LANES] = i < queries && window > 0 && pos0 + r + 1 > window ? (int32_t)(pos0 + r + 1 - window - first) : 0;
+        lo[i / LANES][i % LANES] = i < queries ? (int32_t)(first_key(pos0 + r, window) - first) : 0;
         hi[i / LANES][i % LANES] = i < queries ? (int32_t)row_hi : 0; /* padding lanes: key 0 alone */
         if (i >= queries) continue;
         const int64_t index = ((row0 + r) * num_heads + h * group + i % group) * head_dim;
@@ -247,7 +252,7 @@ INLINE void attend_tile(const void *q, const void *key, const void *value, const
         }
         inverse[v] = 1.0f / total;
     }
-    /* Values: acc[i] = sum over j of weight[j][i] * value[j], QUERY_GROUP queries at a time. */
+    /* Values: acc[i] = sum over j of weight[j][i] * value[j], group_size queries at a time. */
     memset(acc, 0, sizeof(f32x16) * (size_t)(vectors * LANES * chunks));
     const int64_t group_size = chunks <= 4 ? 4 : chunks <= 8 ? 2 : 1; /* 16 vector registers of sums */
     for (int64_t start = first; start <= last; start += KEY_BLOCK) {

@@ -51,9 +51,9 @@ def test_rotary_in_place_on_a_strided_view(dtype, rows):
     qk = qkv[:, : 4 * 64].view(rows, 4, 64)  # Q and K heads of a fused QKV output
     angles = torch.rand(rows, 32) * 6.3
     cos, sin = torch.cat([angles.cos()] * 2, -1).to(dtype), torch.cat([angles.sin()] * 2, -1).to(dtype)
-    expected = TorchLayerOps.rotate_(qk.clone(), cos, sin)
+    expected = TorchLayerOps.rotate(qk.clone(), cos, sin)
     v = qkv[:, 4 * 64 :].clone()
-    rotated = _ops(dtype).rotate_(qk, cos, sin)
+    rotated = _ops(dtype).rotate(qk, cos, sin)
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(rotated, expected, atol=tol, rtol=tol)
     assert rotated.data_ptr() == qkv.data_ptr()  # in place

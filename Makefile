@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 BUF := node_modules/.bin/buf
 PROTOS := $(shell find proto -name '*.proto')
-GOOGLEAPIS := build/third_party/google/api
+THIRD_PARTY := build/third_party
 export PYTHONPATH := $(CURDIR)/gen:$(CURDIR)
 
 .PHONY: run test lint breaking protos setup clean
@@ -32,16 +32,17 @@ $(BUF): package.json package-lock.json
 	touch $@
 
 # googleapis protos come from the pinned googleapis-common-protos wheel.
-$(GOOGLEAPIS)/.vendored: $(VENV)/.installed
-	mkdir -p $(GOOGLEAPIS)
-	cp $$($(PY) -c 'import os, google.api.annotations_pb2 as m; print(os.path.dirname(m.__file__))')/{annotations,http}.proto $(GOOGLEAPIS)/
+$(THIRD_PARTY)/.vendored: $(VENV)/.installed Makefile
+	mkdir -p $(THIRD_PARTY)/google/api $(THIRD_PARTY)/google/rpc
+	cp $$($(PY) -c 'import os, google.api.annotations_pb2 as m; print(os.path.dirname(m.__file__))')/{annotations,http}.proto $(THIRD_PARTY)/google/api/
+	cp $$($(PY) -c 'import os, google.rpc.status_pb2 as m; print(os.path.dirname(m.__file__))')/status.proto $(THIRD_PARTY)/google/rpc/
 	touch $@
 
 protos: gen/.stamp
 
-gen/.stamp: $(PROTOS) $(GOOGLEAPIS)/.vendored
+gen/.stamp: $(PROTOS) $(THIRD_PARTY)/.vendored
 	rm -rf gen && mkdir -p gen
-	$(PY) -m grpc_tools.protoc -I proto -I build/third_party \
+	$(PY) -m grpc_tools.protoc -I proto -I $(THIRD_PARTY) \
 		--python_out=gen --grpc_python_out=gen --pyi_out=gen $(PROTOS)
 	touch $@
 

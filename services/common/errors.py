@@ -25,11 +25,16 @@ def invalid_argument(message: str) -> ServiceError:
     return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
-async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status a handler's exception ends its call with (logged when unexpected)."""
     if isinstance(exc, ServiceError):
-        await context.abort(exc.code, exc.message)
+        return exc.code, exc.message
     log.exception("unhandled error in handler", exc_info=exc)
-    await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+    await context.abort(*status_of(exc))
 
 
 def _wrap_unary(fn: Callable[[Any, Any], Awaitable[Any]]):

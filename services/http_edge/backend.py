@@ -10,14 +10,16 @@ import grpc
 from stormserve.chat.v1 import chat_pb2, chat_pb2_grpc
 
 from services.common.grpc_server import channel, is_serving
+from services.common.multiplex import CallMultiplexer, MultiplexedCall
 from services.http_edge.errors import from_rpc_error, invalid_input, unavailable
 
 LIST_MODELS_TIMEOUT_S = 5.0
 
 
 class ChatBackend:
-    """ChatService client. The channel is opened on first use, inside the
-    server's event loop (grpc.aio channels belong to one loop)."""
+    """ChatService client: every Chat call of this process on one ChatStream.
+    The channel is opened on first use, inside the server's event loop
+    (grpc.aio channels belong to one loop)."""
 
     def __init__(
         self,
@@ -30,6 +32,7 @@ class ChatBackend:
         self._clock = clock
         self._channel: grpc.aio.Channel | None = None
         self._stub: chat_pb2_grpc.ChatServiceStub | None = None
+        self._calls: CallMultiplexer | None = None
         self._models: list[chat_pb2.Model] = []
         self._models_at: float | None = None
         self._models_lock: asyncio.Lock | None = None
@@ -38,12 +41,15 @@ class ChatBackend:
         if self._stub is None:
             self._channel = channel(self.address)
             self._stub = chat_pb2_grpc.ChatServiceStub(self._channel)
+            self._calls = CallMultiplexer(self._stub.ChatStream, chat_pb2.ChatStreamRequest)
             self._models_lock = asyncio.Lock()
         return self._stub
 
-    def chat(self, request: chat_pb2.ChatRequest, timeout_s: float | None) -> grpc.aio.UnaryStreamCall:
-        """Start ChatService.Chat; the caller reads the chunks and cancels on disconnect."""
-        return self._chat_stub().Chat(request, timeout=timeout_s)
+    def chat(self, request: chat_pb2.ChatRequest, timeout_s: float | None) -> MultiplexedCall:
+        """Start a Chat call; the caller reads the chunks and cancels on disconnect."""
+        self._chat_stub()
+        assert self._calls is not None
+        return self._calls.start(request, timeout_s)
 
     async def list_models(self) -> list[chat_pb2.Model]:
         """The served models, at most `models_cache_s` old. Raises AioRpcError."""
@@ -80,6 +86,8 @@ class ChatBackend:
         return await is_serving(self._channel)
 
     async def close(self) -> None:
+        if self._calls is not None:
+            await self._calls.close()
         if self._channel is not None:
             await self._channel.close()
-        self._channel = self._stub = None
+        self._channel = self._stub = self._calls = None

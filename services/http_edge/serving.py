@@ -1,5 +1,5 @@
 """`POST /v1/chat/completions`: read and validate the body, check the model,
-call ChatService.Chat, and answer with one JSON object or an SSE stream.
+start a Chat call (on the backend's ChatStream), and answer with one JSON object or an SSE stream.
 
 Check order follows the reference: body size -> JSON parse -> fields -> model.
 A gRPC error before the first chunk becomes an HTTP error (also when
@@ -7,7 +7,7 @@ A gRPC error before the first chunk becomes an HTTP error (also when
 holding the error body and a `finish_reason`, then `data: [DONE]`.
 
 `request_timeout_s` (e2eTimeout) counts from arrival and becomes the deadline
-of the Chat call: when it passes, gRPC cancels the call, which cancels the
+of the Chat call: when it passes, the call is cancelled, which cancels the
 tokenizer's handler and through it the scheduler's sequence. The client gets
 code 802 (HTTP 500, or a final frame once the stream has started).
 """
@@ -25,6 +25,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from stormserve.chat.v1 import chat_pb2
 
+from services.common.multiplex import MultiplexedCall
 from services.http_edge.backend import ChatBackend
 from services.http_edge.config import EdgeConfig
 from services.http_edge.convert import now_us, to_chat_request
@@ -101,7 +102,7 @@ def parse_chat_request(body: bytes) -> ChatCompletionRequest:
         raise invalid_input(describe_validation(exc.errors(include_url=False))) from None
 
 
-async def next_chunk(call: grpc.aio.UnaryStreamCall) -> chat_pb2.ChatChunk | None:
+async def next_chunk(call: MultiplexedCall) -> chat_pb2.ChatChunk | None:
     """The next chunk, or None at the end of the stream. Raises AioRpcError."""
     response = await call.read()
     if response is grpc.aio.EOF:
@@ -149,7 +150,7 @@ class Deadline:
 
     def rpc_error(self, exc: grpc.aio.AioRpcError) -> EdgeError:
         """Our own deadline passing reads as the documented timeout; any other status is mapped."""
-        # gRPC fixed its deadline a moment after `at`; the slack only absorbs clock rounding.
+        # The call's deadline was fixed a moment after `at`; the slack only absorbs clock rounding.
         if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and self.at is not None \
                 and time.monotonic() >= self.at - DEADLINE_SLACK_S:
             return request_timeout(self.timeout_s)
@@ -210,14 +211,14 @@ class ChatCompletions:
             if not handed_off:
                 call.cancel()
 
-    async def _collect(self, call: grpc.aio.UnaryStreamCall, builder: CompletionBuilder) -> None:
+    async def _collect(self, call: MultiplexedCall, builder: CompletionBuilder) -> None:
         while (chunk := await next_chunk(call)) is not None:
             if chunk.HasField("error"):
                 raise _chunk_error(chunk)
             builder.add(chunk)
 
     async def _events(
-        self, call: grpc.aio.UnaryStreamCall, chunk: chat_pb2.ChatChunk | None, ctx: ReplyContext,
+        self, call: MultiplexedCall, chunk: chat_pb2.ChatChunk | None, ctx: ReplyContext,
         deadline: Deadline,
     ) -> AsyncIterator[bytes]:
         try:

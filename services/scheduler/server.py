@@ -1,13 +1,16 @@
 """SchedulerService wiring: Generate streams a request's choices (one sequence per
 sibling, or a beam search's results, see choices.py); cancelling the call aborts
-every sibling."""
+every sibling. GenerateStream runs many such calls over one stream (the
+tokenizer's), one message per engine step for all of them."""
 from __future__ import annotations
 
 import logging
+from contextlib import aclosing
 
 import grpc
 
 from services.common.errors import ServiceError
+from services.common.multiplex import serve_calls
 from services.scheduler.choices import Choices
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.convert import to_response, to_sequences, to_worker_load
@@ -25,7 +28,18 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         self.router = router
         self._live: dict[str, tuple[EngineLoop, Choices]] = {}
 
+    # gRPC runs a handler that is not an async generator function on a thread: these are.
     async def Generate(self, request, context):
+        async for response in self._generate(request):
+            yield response
+
+    async def GenerateStream(self, request_iterator, context):
+        async with aclosing(serve_calls(request_iterator, self._generate, scheduler_pb2.GenerateStreamResponse,
+                                        scheduler_pb2.GenerateStreamEvent)) as responses:
+            async for response in responses:
+                yield response
+
+    async def _generate(self, request):
         if sum(e.load for e in self.router.engines) >= self.config.max_queue_size:
             raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, "the request queue is full")
         if request.request_id in self._live:

@@ -11,9 +11,8 @@ from services.common.log import setup_logging
 from services.common.supervisor import exit_with_supervisor
 from services.common.model_files import resolve_model
 from services.tokenizer.config import TokenizerConfig
-from services.tokenizer.server import ChatServicer, TokenizerCore, TokenizerServicer
+from services.tokenizer.server import ChatServicer, SchedulerClient, TokenizerCore, TokenizerServicer
 from stormserve.chat.v1 import chat_pb2, chat_pb2_grpc
-from stormserve.scheduler.v1 import scheduler_pb2_grpc
 from stormserve.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 
 UPSTREAM_POLL_S = 1.0
@@ -31,8 +30,8 @@ async def main() -> None:
                          getattr(model_config, "max_position_embeddings", config.max_seq_len),
                          model_type=getattr(model_config, "model_type", "") or "")
     scheduler_channel = channel(config.scheduler_address)
-    service.add(chat_pb2_grpc.add_ChatServiceServicer_to_server,
-                ChatServicer(core, scheduler_pb2_grpc.SchedulerServiceStub(scheduler_channel)),
+    scheduler = SchedulerClient(scheduler_channel)
+    service.add(chat_pb2_grpc.add_ChatServiceServicer_to_server, ChatServicer(core, scheduler),
                 chat_pb2.DESCRIPTOR.services_by_name["ChatService"])
     service.add(tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server, TokenizerServicer(core),
                 tokenizer_pb2.DESCRIPTOR.services_by_name["TokenizerService"])
@@ -54,6 +53,7 @@ async def main() -> None:
     follower = asyncio.create_task(follow_scheduler())
     await service.serve_forever()
     follower.cancel()
+    await scheduler.close()
     await scheduler_channel.close()
 
 

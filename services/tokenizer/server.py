@@ -4,11 +4,13 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from contextlib import aclosing
 from functools import partial
 
 import grpc
 
 from services.common.errors import ServiceError, invalid_argument
+from services.common.multiplex import CallMultiplexer, MultiplexedCall, serve_calls
 from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.formats import ModelFormats, OutputOptions, output_options
 from services.tokenizer.grammar import response_format_grammar
@@ -112,12 +114,41 @@ def _usage_chunk(outputs: list[ChoiceOutput]) -> chat_pb2.ChatChunk | None:
     return chunk
 
 
+class SchedulerClient:
+    """The scheduler as ChatServicer calls it: every Generate call of this
+    process on one GenerateStream."""
+
+    def __init__(self, channel: grpc.aio.Channel):
+        self._stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
+        self._calls = CallMultiplexer(self._stub.GenerateStream, scheduler_pb2.GenerateStreamRequest)
+
+    def generate(self, request: scheduler_pb2.GenerateRequest) -> MultiplexedCall:
+        return self._calls.start(request)
+
+    async def abort(self, request: scheduler_pb2.AbortRequest) -> scheduler_pb2.AbortResponse:
+        return await self._stub.Abort(request)
+
+    async def close(self) -> None:
+        await self._calls.close()
+
+
 class ChatServicer(chat_pb2_grpc.ChatServiceServicer):
-    def __init__(self, core: TokenizerCore, scheduler: scheduler_pb2_grpc.SchedulerServiceStub):
+    def __init__(self, core: TokenizerCore, scheduler: SchedulerClient):
         self.core = core
         self.scheduler = scheduler
 
+    # gRPC runs a handler that is not an async generator function on a thread: these are.
     async def Chat(self, request, context):
+        async for response in self._chat(request):
+            yield response
+
+    async def ChatStream(self, request_iterator, context):
+        async with aclosing(serve_calls(request_iterator, self._chat, chat_pb2.ChatStreamResponse,
+                                        chat_pb2.ChatStreamEvent)) as responses:
+            async for response in responses:
+                yield response
+
+    async def _chat(self, request):
         arrival_us = request.arrival_time_us or time.time_ns() // 1000
         self.core.check_model(request.model)
         _check_beam_search(request)
@@ -146,7 +177,7 @@ class ChatServicer(chat_pb2_grpc.ChatServiceServicer):
         # With best_of > n or beam search the scheduler sends each choice whole at the end.
         streams_choices = not request.use_beam_search and (
             not request.HasField("best_of") or request.best_of == num_choices)
-        call = self.scheduler.Generate(
+        call = self.scheduler.generate(
             _generate_request(request, request_id, prompt.token_ids, arrival_us, grammar,
                               self.core.thinking_budget(options, kwargs)))
         has_sent = False
@@ -165,7 +196,7 @@ class ChatServicer(chat_pb2_grpc.ChatServiceServicer):
                     return
                 if output.stopped_by_string and streams_choices:
                     # One choice hit a stop string while others go on: end just that one.
-                    await self.scheduler.Abort(
+                    await self.scheduler.abort(
                         scheduler_pb2.AbortRequest(request_id=request_id, index=response.index))
             raise ServiceError(grpc.StatusCode.INTERNAL, "the scheduler ended the stream without finishing")
         except grpc.aio.AioRpcError as exc:

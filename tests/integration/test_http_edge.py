@@ -9,7 +9,7 @@ import json
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from typing import Any
 
 import grpc
@@ -21,10 +21,12 @@ from grpc_health.v1 import health, health_pb2
 from grpc_health.v1 import health_pb2_grpc
 from stormserve.chat.v1 import chat_pb2, chat_pb2_grpc
 
+from services.common.errors import ServiceError
+from services.common.multiplex import serve_calls
 from services.http_edge.app import create_app
 from services.http_edge.config import EdgeConfig
 
-Script = Callable[[chat_pb2.ChatRequest, grpc.aio.ServicerContext], AsyncIterator[chat_pb2.ChatChunk]]
+Script = Callable[[chat_pb2.ChatRequest], AsyncIterator[chat_pb2.ChatChunk]]
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
 
@@ -47,27 +49,27 @@ def final_chunk(request: chat_pb2.ChatRequest, content: str = "") -> chat_pb2.Ch
     )
 
 
-async def hello(request, context) -> AsyncIterator[chat_pb2.ChatChunk]:
+async def hello(request) -> AsyncIterator[chat_pb2.ChatChunk]:
     yield delta_chunk(request, "Hello")
     yield delta_chunk(request, " there")
     yield final_chunk(request)
 
 
 def aborting(code: grpc.StatusCode, details: str, after: int = 0) -> Script:
-    async def script(request, context):
+    async def script(request):
         for _ in range(after):
             yield delta_chunk(request, "partial")
-        await context.abort(code, details)
+        raise ServiceError(code, details)
 
     return script
 
 
-async def hold_after_one(request, context) -> AsyncIterator[chat_pb2.ChatChunk]:
+async def hold_after_one(request) -> AsyncIterator[chat_pb2.ChatChunk]:
     yield delta_chunk(request, "first")
     await asyncio.Event().wait()
 
 
-async def hold(request, context) -> AsyncIterator[chat_pb2.ChatChunk]:
+async def hold(request) -> AsyncIterator[chat_pb2.ChatChunk]:
     await asyncio.Event().wait()
     yield delta_chunk(request, "never")
 
@@ -87,11 +89,18 @@ class FakeChatService(chat_pb2_grpc.ChatServiceServicer):
     async def Chat(self, request, context) -> AsyncIterator[chat_pb2.ChatResponse]:
         self.requests.append(request)
         try:
-            async for chunk in self.script(request, context):
+            async for chunk in self.script(request):
                 yield chat_pb2.ChatResponse(chunk=chunk)
         except asyncio.CancelledError:
             self.cancelled.set()
             raise
+
+    async def ChatStream(self, request_iterator, context):
+        # What the edge calls: the services' own multiplexing over this fake's Chat.
+        async with aclosing(serve_calls(request_iterator, lambda request: self.Chat(request, None),
+                                        chat_pb2.ChatStreamResponse, chat_pb2.ChatStreamEvent)) as responses:
+            async for response in responses:
+                yield response
 
 
 class Backend:
@@ -211,7 +220,7 @@ def test_request_fields_reach_the_backend() -> None:
 
 
 def test_stream_framing_byte_for_byte() -> None:
-    async def fixed(request, context):
+    async def fixed(request):
         base = dict(id="chatcmpl-fixed", created=1729614610, model="m")
         yield chat_pb2.ChatChunk(**base, choices=[chat_pb2.ChunkChoice(
             delta=chat_pb2.ChatDelta(role="assistant", content="Hi\n"))])
@@ -280,7 +289,7 @@ def sse_payloads(raw: str) -> list[Any]:
 
 
 def test_error_chunk_mid_stream_is_a_final_frame_then_done() -> None:
-    async def fails_late(request, context):
+    async def fails_late(request):
         yield delta_chunk(request, "partial")
         # As the tokenizer sends it: the held-back text, finish_reason, usage and the error.
         failed = final_chunk(request, " tail")

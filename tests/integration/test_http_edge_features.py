@@ -32,7 +32,7 @@ USAGE_JSON = {"prompt_tokens": 4, "prompt_tokens_details": {"cached_tokens": 0},
               "total_tokens": 6, "batch_size": [1, 1], "queue_wait_time": [812, 95]}
 
 
-async def usage_last(request, context):
+async def usage_last(request):
     """As the tokenizer answers include_usage true: usage only in a last chunk without choices."""
     yield delta_chunk(request, "Hello")
     yield delta_chunk(request, " there", chat_pb2.FINISH_REASON_STOP)
@@ -115,7 +115,7 @@ PAGE_FINAL = ('{"id":"endpoint_common_11","object":"chat.completion.chunk","crea
 
 
 def test_full_text_frames_have_the_pages_shape() -> None:
-    async def full_text(request, context):
+    async def full_text(request):
         base = dict(id="endpoint_common_11", created=1730184192, model="DeepSeek-R1")
         for text in ("Hello", "Hello!"):
             yield chat_pb2.ChatChunk(**base, choices=[chat_pb2.ChunkChoice(

@@ -24,7 +24,7 @@ def tokenizer():
 
 
 class ScriptedGenerate:
-    """Duck-types the scheduler's Generate call: async iteration and cancel()."""
+    """Duck-types a Generate call: async iteration and cancel()."""
 
     def __init__(self, responses):
         self.responses = responses
@@ -48,7 +48,7 @@ class ScriptedScheduler:
         self.calls: list[ScriptedGenerate] = []
         self.requests: list[scheduler_pb2.GenerateRequest] = []
 
-    def Generate(self, request):  # noqa: N802 (gRPC stub name)
+    def generate(self, request):
         self.requests.append(request)
         self.calls.append(ScriptedGenerate(self.responses))
         return self.calls[-1]

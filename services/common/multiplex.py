@@ -1,0 +1,246 @@
+"""Many streaming calls over one gRPC stream (ChatStream, GenerateStream).
+
+Every gRPC message costs tens of µs of CPU and a few thread wake-ups in each
+process it passes through, and on a small machine that CPU is taken from the
+worker. With one server stream per request, one engine step of 32 sequences
+is 32 messages on each hop; multiplexed, it is one.
+
+The two sides speak the same shape of messages, whatever the payload:
+- requests: `call_id` and a oneof `action` of `start` (the per-call request)
+  or `cancel` (true);
+- responses: `events`, each with `call_id` and a oneof `event` of `response`
+  (one message of the call) or `end` (a google.rpc.Status; code 0 after the
+  last message).
+
+`serve_calls` answers such a stream on the server with a per-call handler
+(the per-request RPC's own logic), so both RPCs behave the same;
+`CallMultiplexer` is the client, whose calls read like grpc.aio's
+UnaryStreamCall (`read`, `async for`, `cancel`, errors as AioRpcError).
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+from google.rpc import status_pb2
+
+from services.common.errors import status_of
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def _error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
+
+
+async def serve_calls(requests: AsyncIterator[Any], handle: Callable[[Any], AsyncIterator[Any]],
+                      response_type: type, event_type: type) -> AsyncIterator[Any]:
+    """The response stream of a multiplexed RPC: runs `handle(start)` for each
+    started call as a task and yields everything produced while the previous
+    response was being written as one `response_type` message.
+
+    A cancelled call's task is cancelled (its handler's `finally` runs, as when
+    gRPC cancels a call) and nothing more is sent for it. Ending the stream
+    cancels every call still running."""
+    outbox: list[Any] = []
+    wake = asyncio.Event()
+    calls: dict[int, asyncio.Task] = {}
+    requests_done = False
+
+    def emit(event: Any) -> None:
+        outbox.append(event)
+        wake.set()
+
+    async def run(call_id: int, request: Any) -> None:
+        try:
+            async for response in handle(request):
+                emit(event_type(call_id=call_id, response=response))
+            end = status_pb2.Status(code=grpc.StatusCode.OK.value[0])
+        except asyncio.CancelledError:
+            raise  # cancelled by the caller: it expects nothing more
+        except Exception as exc:  # noqa: BLE001 - becomes the call's status, as the interceptor does
+            code, message = status_of(exc)
+            end = status_pb2.Status(code=code.value[0], message=message)
+        finally:
+            calls.pop(call_id, None)
+        emit(event_type(call_id=call_id, end=end))
+
+    async def read() -> None:
+        nonlocal requests_done
+        async for message in requests:
+            action = message.WhichOneof("action")
+            if action == "start":
+                if message.call_id in calls:
+                    emit(event_type(call_id=message.call_id, end=status_pb2.Status(
+                        code=grpc.StatusCode.ALREADY_EXISTS.value[0],
+                        message=f"call {message.call_id} is already running on this stream")))
+                    continue
+                calls[message.call_id] = asyncio.create_task(run(message.call_id, message.start))
+            elif action == "cancel" and (task := calls.pop(message.call_id, None)) is not None:
+                task.cancel()
+        requests_done = True  # the caller will start nothing more; running calls go on
+        wake.set()
+
+    reader = asyncio.create_task(read())
+    try:
+        while True:
+            await wake.wait()
+            wake.clear()
+            if reader.done() and reader.exception() is not None:
+                raise reader.exception()  # type: ignore[misc]
+            if outbox:
+                events = outbox[:]
+                outbox.clear()
+                yield response_type(events=events)
+            elif requests_done and not calls:
+                return
+    finally:
+        reader.cancel()
+        for task in list(calls.values()):
+            task.cancel()
+        await asyncio.gather(reader, *calls.values(), return_exceptions=True)
+
+
+class _End:
+    """Queued after a call's last message: how it ended."""
+
+    def __init__(self, error: grpc.aio.AioRpcError | None):
+        self.error = error
+
+
+class MultiplexedCall:
+    """One call on a multiplexed stream, read like grpc.aio's UnaryStreamCall."""
+
+    def __init__(self, cancel: Callable[[], None], timeout_s: float | None):
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._cancel = cancel
+        self._end: _End | None = None
+        self._timer = None
+        if timeout_s is not None:
+            self._timer = asyncio.get_running_loop().call_later(timeout_s, self._expire)
+
+    def _deliver(self, item: Any) -> None:
+        self._queue.put_nowait(item)
+
+    def _finish(self, error: grpc.aio.AioRpcError | None) -> None:
+        """The server ended the call; it reads as ended after the messages before."""
+        if self._timer is not None:
+            self._timer.cancel()
+        self._queue.put_nowait(_End(error))
+
+    def _stop(self, error: grpc.aio.AioRpcError) -> bool:
+        """Ended here: the server is told, and reading raises `error` from now on."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._end is not None:
+            return False
+        self._end = _End(error)
+        self._cancel()
+        self._queue.put_nowait(self._end)  # wakes a reader waiting now
+        return True
+
+    def _expire(self) -> None:
+        self._timer = None
+        self._stop(_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
+
+    def cancel(self) -> bool:
+        """Stop the call on the server; nothing more is read. False if it had ended."""
+        return self._stop(_error(grpc.StatusCode.CANCELLED, "Locally cancelled by application!"))
+
+    async def read(self) -> Any:
+        """The next message, or grpc.aio.EOF after the last. Raises AioRpcError."""
+        if self._end is None:
+            item = await self._queue.get()
+            if not isinstance(item, _End):
+                return item
+            if self._end is None:
+                self._end = item
+        if self._end.error is not None:
+            raise self._end.error
+        return grpc.aio.EOF
+
+    async def _iterate(self) -> AsyncIterator[Any]:
+        while (message := await self.read()) is not grpc.aio.EOF:
+            yield message
+
+    def __aiter__(self) -> AsyncIterator[Any]:
+        return self._iterate()
+
+
+class _Stream:
+    """One open multiplexed RPC and the calls started on it."""
+
+    def __init__(self, open_stream: Callable[[AsyncIterator[Any]], Any]):
+        self.outgoing: asyncio.Queue[Any] = asyncio.Queue()
+        self.calls: dict[int, MultiplexedCall] = {}
+        self.rpc = open_stream(self._requests())
+        self.reader: asyncio.Task | None = None
+
+    async def _requests(self) -> AsyncIterator[Any]:
+        while True:
+            yield await self.outgoing.get()
+
+
+class CallMultiplexer:
+    """The client side: one multiplexed stream, opened on first use and again
+    after it failed (its calls then end with the stream's error)."""
+
+    def __init__(self, open_stream: Callable[[AsyncIterator[Any]], Any], request_type: type):
+        """`open_stream`: the stub's multiplexed method, e.g. `stub.ChatStream`."""
+        self._open_stream = open_stream
+        self._request_type = request_type
+        self._stream: _Stream | None = None
+        self._ids = itertools.count(1)
+
+    def start(self, request: Any, timeout_s: float | None = None) -> MultiplexedCall:
+        """Start a call; a `timeout_s` deadline cancels it and reads DEADLINE_EXCEEDED."""
+        stream = self._stream
+        if stream is None:
+            stream = self._stream = _Stream(self._open_stream)
+            stream.reader = asyncio.create_task(self._read(stream))
+        call_id = next(self._ids)
+
+        def cancel() -> None:
+            if stream.calls.pop(call_id, None) is not None:
+                stream.outgoing.put_nowait(self._request_type(call_id=call_id, cancel=True))
+
+        call = MultiplexedCall(cancel, timeout_s)
+        stream.calls[call_id] = call
+        stream.outgoing.put_nowait(self._request_type(call_id=call_id, start=request))
+        return call
+
+    async def _read(self, stream: _Stream) -> None:
+        error = _error(grpc.StatusCode.UNAVAILABLE, "the multiplexed stream ended")
+        try:
+            async for message in stream.rpc:
+                for event in message.events:
+                    call = stream.calls.get(event.call_id)
+                    if call is None:
+                        continue  # cancelled here; the server had sent this already
+                    if event.WhichOneof("event") == "response":
+                        call._deliver(event.response)
+                        continue
+                    del stream.calls[event.call_id]
+                    end = event.end
+                    call._finish(None if end.code == 0 else _error(_CODES.get(end.code, grpc.StatusCode.UNKNOWN),
+                                                                   end.message))
+        except grpc.aio.AioRpcError as exc:
+            error = exc
+        finally:
+            if self._stream is stream:
+                self._stream = None
+            for call in stream.calls.values():
+                call._finish(error)
+            stream.calls.clear()
+            stream.rpc.cancel()
+
+    async def close(self) -> None:
+        stream, self._stream = self._stream, None
+        if stream is not None and stream.reader is not None:
+            stream.rpc.cancel()
+            stream.reader.cancel()
+            await asyncio.gather(stream.reader, return_exceptions=True)

@@ -29,6 +29,10 @@ def build_server(config: EdgeConfig) -> uvicorn.Server:
             host=config.host,
             port=config.port,
             lifespan="on",
+            # uvloop and httptools: per streamed token, h11's pure-Python framing and
+            # asyncio's transport cost the edge about 10 % more CPU (measured at 32 streams).
+            loop="uvloop",
+            http="httptools",
             log_config=None,  # keep services.common.log's format
             timeout_graceful_shutdown=config.shutdown_grace_s,
         )

@@ -9,12 +9,35 @@ sharing, freeing) and sends each sequence's table with every step.
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 from dataclasses import dataclass
 
 import torch
 
 log = logging.getLogger(__name__)
+
+_MADV_HUGEPAGE = 14
+_HUGE_PAGE = 2 << 20
+
+
+def _advise_huge_pages(tensor: torch.Tensor) -> None:
+    """Ask Linux to back a CPU tensor with 2 MiB pages where it can (transparent
+    huge pages in `madvise` or `always` mode; elsewhere nothing happens).
+
+    Decode attention reads every sequence's blocks, scattered over the pool,
+    each step: with 4 KiB pages nearly every block costs a TLB miss. 32 decodes
+    over 250-token contexts on a Zen 5 VM: 12.6 -> 11.2 ms per step."""
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    aligned = -(-start // _HUGE_PAGE) * _HUGE_PAGE
+    length = (end - aligned) // _HUGE_PAGE * _HUGE_PAGE
+    if length <= 0:
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).madvise(ctypes.c_void_p(aligned), ctypes.c_size_t(length), _MADV_HUGEPAGE)
+    except (OSError, AttributeError):  # not Linux: small pages it is
+        pass
 
 
 @dataclass(frozen=True)
@@ -57,10 +80,15 @@ class KVCachePool:
         self.num_blocks = num_blocks
         self.num_slots = num_blocks * spec.block_size
         shape = (spec.num_layers, self.num_slots, spec.num_kv_heads, spec.head_dim)
-        # torch.empty: never-written slots are never read unmasked (see attention.py),
-        # and on CPU untouched pages cost no resident memory.
         self.key_cache = torch.empty(shape, dtype=spec.dtype, device=device)
         self.value_cache = torch.empty(shape, dtype=spec.dtype, device=device)
+        if device.type == "cpu":
+            # Touched now, in huge pages where the kernel has them: the worker holds
+            # its whole budget from the start (a machine short of memory fails here,
+            # not mid-request), and no step waits on page faults and compaction.
+            for cache in (self.key_cache, self.value_cache):
+                _advise_huge_pages(cache)
+                cache.zero_()
         log.info(
             "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s, %d layers, %d kv heads, head_dim %d)",
             num_blocks, spec.block_size, self.num_slots,

@@ -86,7 +86,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-path", default="", help="HF directory or .gguf; empty = the bundled model")
     parser.add_argument("--dtype", default="auto", help="as the worker's dtype setting")
-    parser.add_argument("--kv-cache-mib", type=int, default=1024)
+    parser.add_argument("--kv-cache-mib", type=int, default=0, help="as the worker's; 0 = automatic")
+    parser.add_argument("--max-seq-len", type=int, default=2560, help="as maxSeqLen (sizes the automatic budget)")
     parser.add_argument("--cache-block-size", type=int, default=16)
     parser.add_argument("--max-batch-size", type=int, default=64)
     parser.add_argument("--max-prefill-tokens", type=int, default=1024, help="as the scheduler's maxPrefillTokens")
@@ -103,7 +104,7 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     backend = select_backend("cpu")
     runner = ModelRunner(model_dir, backend, backend.resolve_dtype(args.dtype), args.cache_block_size,
-                         args.kv_cache_mib * 2**20, args.max_batch_size)
+                         args.kv_cache_mib * 2**20, args.max_batch_size, args.max_seq_len)
     runner.warm_up()
     info = runner.describe()
     capacity = WorkerCapacity(info.num_kv_blocks, info.block_size, info.max_batch_size,

@@ -28,6 +28,7 @@ def load_runner(config: WorkerConfig) -> ModelRunner:
         block_size=config.cache_block_size,
         kv_cache_bytes=config.kv_cache_mib * 2**20,
         max_batch_size=config.max_batch_size,
+        max_seq_len=config.max_seq_len,
     )
     runner.warm_up()
     return runner

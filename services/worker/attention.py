@@ -27,7 +27,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface
 
 from services.worker.cpu_kernels import PagedAttention
 from services.worker.kv_cache import KVCachePool
@@ -273,5 +272,7 @@ def _prefill_mask(
 
 def register() -> str:
     """Make the implementation known to transformers; returns its name for attn_implementation."""
+    from transformers import AttentionInterface  # its module pulls in transformers' modeling code
+
     AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
     return ATTENTION_NAME

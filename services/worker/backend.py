@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
+import os
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -80,6 +81,29 @@ class Backend:
             torch.cuda.synchronize(self.device)
         elif self.name == "npu":
             torch.npu.synchronize(self.device)  # type: ignore[attr-defined]
+
+    def available_memory(self) -> int:
+        """Bytes the KV pool may come out of now: free device memory, or on CPU
+        what Linux reports available (MemAvailable)."""
+        if self.name == "cuda":
+            return torch.cuda.mem_get_info(self.device)[0]
+        if self.name == "npu":
+            return torch.npu.mem_get_info(self.device)[0]  # type: ignore[attr-defined]
+        try:
+            with open("/proc/meminfo") as meminfo:
+                for line in meminfo:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+    @property
+    def kv_memory_fraction(self) -> float:
+        """The share of `available_memory` an automatic KV budget may take: an
+        accelerator's memory is the worker's (the reference uses 0.8 of NPU
+        memory); a CPU's is shared with the rest of the machine."""
+        return 0.5 if self.name == "cpu" else 0.8
 
     def resolve_dtype(self, name: str) -> str:
         """`auto` is bfloat16 on accelerators and on CPUs that compute it natively,

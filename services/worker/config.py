@@ -25,8 +25,13 @@ class WorkerConfig:
         "(auto: bfloat16, or float32 on a CPU without native bfloat16)",
     )
     cache_block_size: int = setting(16, "tokens per KV cache block", alias="cacheBlockSize")
-    kv_cache_mib: int = setting(1024, "memory budget of the KV cache pool in MiB")
+    kv_cache_mib: int = setting(
+        0, "memory budget of the KV cache pool in MiB; 0 = room for maxBatchSize sequences of maxSeqLen "
+        "tokens, within half the memory available at start (CPU) or 80 %% of the free device memory",
+    )
     max_batch_size: int = setting(64, "most sequences in one step", alias="maxBatchSize")
+    max_seq_len: int = setting(2560, "prompt + output cap in tokens (sizes the automatic KV budget)",
+                               alias="maxSeqLen")
     num_threads: int = setting(0, "torch intra-op CPU threads; 0 = torch default")
 
     def __post_init__(self) -> None:
@@ -37,6 +42,7 @@ class WorkerConfig:
             1 <= self.cache_block_size <= 128,
             f"cache_block_size must be in [1, 128], got {self.cache_block_size}",
         )
-        require(self.kv_cache_mib >= 1, f"kv_cache_mib must be >= 1, got {self.kv_cache_mib}")
+        require(self.kv_cache_mib >= 0, f"kv_cache_mib must be >= 0, got {self.kv_cache_mib}")
+        require(self.max_seq_len >= 2, f"max_seq_len must be >= 2, got {self.max_seq_len}")
         require(self.max_batch_size >= 1, f"max_batch_size must be >= 1, got {self.max_batch_size}")
         require(self.num_threads >= 0, f"num_threads must be >= 0, got {self.num_threads}")

@@ -1,21 +1,23 @@
 """A lean forward for the Llama family (Llama, Mistral, Qwen2, Qwen3).
 
 The HF modules run a decode step as hundreds of small module calls; at small
-batch on CPU that Python overhead costs as much as the matmuls. This path takes
-the same weights out of the loaded HF model and runs the same math with fewer
-ops: Q/K/V fused into one matmul, gate/up fused into one, the rotary table
+batch on CPU that Python overhead costs as much as the matmuls. This path reads
+the same weights from the checkpoint (checkpoint.py; transformers' model
+classes are never built) and runs the same math with fewer ops: Q/K/V fused into one matmul, gate/up fused into one, the rotary table
 computed once per step, every linear prepared by the backend (prepacked for
 oneDNN on CPU bfloat16, residual adds fused into o_proj and down), and on CPU
 one-pass kernels for RMSNorm, rotary and SiLU-times-up (cpu_kernels.LayerOps;
 TorchLayerOps elsewhere). Attention is the same paged attention the HF path
 uses (attention.paged_attention).
 
-Models of other families keep running through the HF modules (model_runner
-falls back when `LeanDecoder.supports` says no); the unit tests check both
-paths against stock HF logits.
+Models of other families, and RoPE variants whose frequencies change with the
+sequence length (dynamic NTK, LongRoPE), keep running through the HF modules
+(model_runner falls back when `LeanDecoder.supports` says no); the unit tests
+check both paths against stock HF logits.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +27,35 @@ from services.worker.attention import PagedStep, paged_attention
 from services.worker.backend import Backend, Linear
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# RoPE variants with fixed frequencies (transformers' names).
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
+
+
+def _rope_parameters(config) -> dict:
+    return getattr(config, "rope_parameters", None) or {"rope_type": "default", "rope_theta": config.rope_theta}
+
+
+class Rotary:
+    """cos and sin of the rotary embedding at given positions, as transformers'
+    Llama-family rotary modules compute them for the static RoPE variants."""
+
+    def __init__(self, config, head_dim: int):
+        parameters = _rope_parameters(config)
+        rope_type = parameters.get("rope_type", "default")
+        if rope_type == "default":
+            exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+            self.inv_freq = 1.0 / (parameters["rope_theta"] ** exponents)
+            self.scaling = 1.0
+        else:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            self.inv_freq, self.scaling = ROPE_INIT_FUNCTIONS[rope_type](config)
+
+    def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> cos, sin [T, head_dim]."""
+        freqs = positions[:, None].float() * self.inv_freq.to(positions.device)
+        angles = torch.cat((freqs, freqs), dim=-1)
+        return (angles.cos() * self.scaling).to(dtype), (angles.sin() * self.scaling).to(dtype)
 
 
 @dataclass(frozen=True)
@@ -63,66 +94,67 @@ class TorchLayerOps:
 
 
 class LeanDecoder:
-    """Logits for a packed step, from the weights of a loaded HF Llama-family model."""
+    """Logits for a packed step, from the weights of a Llama-family checkpoint."""
 
     @staticmethod
-    def supports(model: torch.nn.Module) -> bool:
-        config = model.config
+    def supports(config) -> bool:
         return (
             getattr(config, "model_type", None) in SUPPORTED_MODEL_TYPES
             and getattr(config, "hidden_act", None) == "silu"
             and not getattr(config, "mlp_bias", False)
+            and _rope_parameters(config).get("rope_type", "default") in STATIC_ROPE_TYPES
         )
 
-    def __init__(self, model: torch.nn.Module, backend: Backend):
-        config = model.config
-        base = model.model
+    def __init__(self, config, weights: Mapping[str, torch.Tensor], backend: Backend):
+        """`weights`: the checkpoint's tensors by name, in the dtype and on the
+        device to run (a Checkpoint, or a loaded model's state_dict)."""
         self.num_heads: int = config.num_attention_heads
         self.num_kv_heads: int = config.num_key_value_heads or self.num_heads
         self.eps: float = config.rms_norm_eps
-        self.embed = base.embed_tokens.weight
-        self.rotary = base.rotary_emb
-        self.final_norm = base.norm.weight
-        self.lm_head = backend.linear(model.lm_head.weight, None)
-        first = base.layers[0].self_attn
-        self.head_dim: int = first.head_dim
-        self.scaling: float = first.scaling
-        self.layers = [self._layer(layer, config, backend) for layer in base.layers]
+        self.head_dim: int = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.scaling: float = self.head_dim ** -0.5
+        self.embed = weights["model.embed_tokens.weight"]
+        self.final_norm = weights["model.norm.weight"]
+        lm_head = weights.get("lm_head.weight")
+        self.lm_head = backend.linear(self.embed if lm_head is None else lm_head, None)
+        self.rotary = Rotary(config, self.head_dim)
+        self.layers = [self._layer(weights, f"model.layers.{i}.", i, config, backend)
+                       for i in range(config.num_hidden_layers)]
         self.ops = backend.layer_ops(
             self.embed.dtype, config.hidden_size, config.intermediate_size, self.head_dim
         ) or TorchLayerOps()
 
-    @staticmethod
-    def _layer(layer: torch.nn.Module, config, backend: Backend) -> _Layer:
-        attn, mlp = layer.self_attn, layer.mlp
-        projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+    def _layer(self, weights: Mapping[str, torch.Tensor], prefix: str, index: int, config,
+               backend: Backend) -> _Layer:
+        attn, mlp = prefix + "self_attn.", prefix + "mlp."
+        projections = [attn + name for name in ("q_proj", "k_proj", "v_proj")]
         qkv_bias = None
-        if attn.q_proj.bias is not None:
-            qkv_bias = torch.cat([p.bias for p in projections])
+        if projections[0] + ".bias" in weights:
+            qkv_bias = torch.cat([weights[p + ".bias"] for p in projections])
         qk_norm = None
-        if hasattr(attn, "q_norm"):
-            heads = attn.q_proj.weight.shape[0] // attn.head_dim
-            kv_heads = attn.k_proj.weight.shape[0] // attn.head_dim
-            qk_norm = torch.cat([attn.q_norm.weight.expand(heads, -1), attn.k_norm.weight.expand(kv_heads, -1)])
-        window = getattr(attn, "sliding_window", None)
-        if config.model_type == "mistral":  # one window for every layer, read from the config
+        if attn + "q_norm.weight" in weights:
+            qk_norm = torch.cat([weights[attn + "q_norm.weight"].expand(self.num_heads, -1),
+                                 weights[attn + "k_norm.weight"].expand(self.num_kv_heads, -1)])
+        window = None
+        layer_types = getattr(config, "layer_types", None)
+        if config.model_type == "mistral" or (layer_types and layer_types[index] == "sliding_attention"):
             window = getattr(config, "sliding_window", None)
         return _Layer(
-            input_norm=layer.input_layernorm.weight,
-            qkv=backend.linear(torch.cat([p.weight for p in projections]), qkv_bias),
+            input_norm=weights[prefix + "input_layernorm.weight"],
+            qkv=backend.linear(torch.cat([weights[p + ".weight"] for p in projections]), qkv_bias),
             qk_norm=qk_norm,
-            o_proj=backend.linear(attn.o_proj.weight, attn.o_proj.bias),
-            post_attention_norm=layer.post_attention_layernorm.weight,
-            gate_up=backend.linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), None),
-            down=backend.linear(mlp.down_proj.weight, None),
+            o_proj=backend.linear(weights[attn + "o_proj.weight"], weights.get(attn + "o_proj.bias")),
+            post_attention_norm=weights[prefix + "post_attention_layernorm.weight"],
+            gate_up=backend.linear(torch.cat([weights[mlp + "gate_proj.weight"], weights[mlp + "up_proj.weight"]]),
+                                   None),
+            down=backend.linear(weights[mlp + "down_proj.weight"], None),
             sliding_window=window,
         )
 
     def __call__(self, input_ids: torch.Tensor, step: PagedStep, logit_rows: torch.Tensor) -> torch.Tensor:
         """input_ids [T] packed as `step` lays them out; logits [len(logit_rows), vocab]."""
         x = self.embed[input_ids]  # [T, hidden]
-        cos, sin = self.rotary(x, step.positions[None])
-        cos, sin = cos[0], sin[0]  # [T, head_dim]
+        cos, sin = self.rotary(step.positions, x.dtype)  # [T, head_dim]
         ops = self.ops
         num_q = self.num_heads * self.head_dim
         num_kv = self.num_kv_heads * self.head_dim

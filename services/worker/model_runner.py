@@ -21,12 +21,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-from transformers.utils import logging as hf_logging
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from services.common.errors import invalid_argument
 from services.worker import attention, sampler
 from services.worker.backend import Backend, torch_dtype
+from services.worker.checkpoint import Checkpoint
 from services.worker.decoder import LeanDecoder
 from services.worker.guided import GrammarError, GuidedDecoding
 from services.worker.kv_cache import KVCachePool, KVCacheSpec
@@ -126,6 +126,39 @@ def _return_freed_memory() -> None:
         pass
 
 
+def _load_hf_model(model_dir: Path, dtype: torch.dtype, backend: Backend) -> torch.nn.Module:
+    """The model through transformers, paged attention plugged in: other
+    families, and checkpoints without safetensors files."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    # device_map loads weights straight onto the device (no full CPU copy first).
+    return AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=dtype, attn_implementation=attention.register(), device_map=str(backend.device)
+    ).eval()
+
+
+def _generation_config(model_dir: Path, config) -> GenerationConfig:
+    """generation_config.json, or what transformers derives from config.json without one."""
+    try:
+        return GenerationConfig.from_pretrained(model_dir)
+    except OSError:
+        return GenerationConfig.from_model_config(config)
+
+
+def auto_kv_budget(spec: KVCacheSpec, max_batch_size: int, max_seq_len: int, backend: Backend) -> int:
+    """Room for `max_batch_size` sequences of `max_seq_len` tokens, so that no
+    request within the configured limits is ever preempted, but no more than
+    the backend's share of the memory available now."""
+    needed = max_batch_size * -(-max_seq_len // spec.block_size) * spec.bytes_per_block
+    available = int(backend.available_memory() * backend.kv_memory_fraction)
+    budget = min(needed, available)
+    log.info("KV budget: %.0f MiB (%d sequences of %d tokens need %.0f MiB; %.0f MiB may be taken)",
+             budget / 2**20, max_batch_size, max_seq_len, needed / 2**20, available / 2**20)
+    return budget
+
+
 def _token_ids(value) -> list[int]:
     if value is None:
         return []
@@ -141,32 +174,41 @@ class ModelRunner:
         block_size: int,
         kv_cache_bytes: int,
         max_batch_size: int,
+        max_seq_len: int = 2560,
     ):
+        """`kv_cache_bytes` 0: an automatic budget (auto_kv_budget)."""
         self.model_dir = model_dir
         self.backend = backend
         self.dtype_name = dtype
         self.max_batch_size = max_batch_size
         dtype_t = torch_dtype(dtype)
         started = time.monotonic()
-        hf_logging.disable_progress_bar()
-        # device_map loads weights straight onto the device (no full CPU copy first).
-        model = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=dtype_t, attn_implementation=attention.register(), device_map=str(backend.device)
-        ).eval()
-        architecture = type(model).__name__
-        self.config = model.config
-        self.generation_config = model.generation_config
-        self.vocab_size: int = model.get_input_embeddings().num_embeddings
-        self.max_position_embeddings: int = getattr(self.config.get_text_config(), "max_position_embeddings", None) or 0
+        self.config = AutoConfig.from_pretrained(model_dir)
+        text_config = self.config.get_text_config()
+        architecture = (getattr(self.config, "architectures", None) or [self.config.model_type])[0]
+        with torch.inference_mode():
+            if LeanDecoder.supports(self.config) and Checkpoint.available(model_dir):
+                self.decoder: Decoder = LeanDecoder(self.config, Checkpoint(model_dir, dtype_t, backend.device),
+                                                    backend)
+            else:
+                model = _load_hf_model(model_dir, dtype_t, backend)
+                supported = LeanDecoder.supports(self.config)
+                self.decoder = LeanDecoder(self.config, model.state_dict(), backend) if supported else \
+                    _hf_decoder(model)
+                del model  # the lean decoder holds every weight it needs; the HF modules go
+        self.generation_config = _generation_config(model_dir, self.config)
+        self.vocab_size: int = int(text_config.vocab_size)
+        self.max_position_embeddings: int = getattr(text_config, "max_position_embeddings", None) or 0
+        _return_freed_memory()  # conversion copies, before the pool takes its share
         with torch.inference_mode():
             spec = KVCacheSpec.from_model_config(self.config, block_size, dtype_t)
+            if kv_cache_bytes == 0:
+                if self.max_position_embeddings:
+                    max_seq_len = min(max_seq_len, self.max_position_embeddings)
+                kv_cache_bytes = auto_kv_budget(spec, max_batch_size, max_seq_len, backend)
             self.kv_pool = KVCachePool.from_budget(spec, kv_cache_bytes, backend.device)
-            if LeanDecoder.supports(model):
-                self.decoder: Decoder = LeanDecoder(model, backend)
-            else:
-                self.decoder = _hf_decoder(model)
         self.attention_kernel = backend.paged_attention(
-            dtype_t, self.config.get_text_config().num_attention_heads, spec.num_kv_heads, spec.head_dim
+            dtype_t, text_config.num_attention_heads, spec.num_kv_heads, spec.head_dim
         )
         self.block_size = block_size
         self.sequences: dict[int, SequenceState] = {}
@@ -177,8 +219,6 @@ class ModelRunner:
             "lean" if isinstance(self.decoder, LeanDecoder) else "HF modules",
             "the native kernel" if self.attention_kernel else "SDPA", time.monotonic() - started,
         )
-        del model  # the lean decoder holds every weight it needs; the HF modules go
-        _return_freed_memory()
 
     def describe(self) -> ModelDescription:
         generation = self.generation_config

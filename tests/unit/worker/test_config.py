@@ -10,7 +10,8 @@ from services.worker.config import WorkerConfig
 def test_defaults():
     config = load_config(WorkerConfig, [], {})
     assert (config.port, config.dtype) == (50053, "auto")
-    assert (config.cache_block_size, config.max_batch_size, config.kv_cache_mib) == (16, 64, 1024)
+    assert (config.cache_block_size, config.max_batch_size, config.kv_cache_mib) == (16, 64, 0)
+    assert config.max_seq_len == 2560
 
 
 def test_aliases_flags_and_environment():
@@ -30,7 +31,8 @@ def test_aliases_flags_and_environment():
         {"cache_block_size": 129},
         {"dtype": "int8"},
         {"device": "tpu"},
-        {"kv_cache_mib": 0},
+        {"kv_cache_mib": -1},
+        {"max_seq_len": 1},
         {"max_batch_size": 0},
     ],
 )

@@ -6,7 +6,7 @@ import torch
 
 from services.common.errors import ServiceError
 from services.worker.kv_cache import KVCachePool, KVCacheSpec
-from services.worker.model_runner import ModelRunner
+from services.worker.model_runner import ModelRunner, auto_kv_budget
 from services.worker.sequence import SamplingParams, SequenceInput
 
 
@@ -18,6 +18,38 @@ def test_pool_is_sized_from_the_budget():
     assert pool.key_cache.shape == (2, 40, 3, 8) and pool.value_cache.dtype == torch.bfloat16
     with pytest.raises(ValueError, match="too small"):
         KVCachePool.from_budget(spec, spec.bytes_per_block - 1, torch.device("cpu"))
+
+
+class _Memory:
+    """A backend with a given amount of available memory."""
+
+    def __init__(self, available: int, fraction: float = 0.5):
+        self.available, self.kv_memory_fraction = available, fraction
+
+    def available_memory(self) -> int:
+        return self.available
+
+
+def test_automatic_budget_holds_every_sequence_at_full_length_within_the_memory_share():
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=3, head_dim=8, block_size=4, dtype=torch.bfloat16)
+    # 8 sequences of 10 tokens: 3 blocks each (the last one partial).
+    needed = 8 * 3 * spec.bytes_per_block
+    assert auto_kv_budget(spec, 8, 10, _Memory(10 * needed)) == needed
+    assert auto_kv_budget(spec, 8, 10, _Memory(needed)) == needed // 2  # half of what is available
+    assert auto_kv_budget(spec, 8, 10, _Memory(needed, fraction=0.8)) == int(needed * 0.8)
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
+
+
+def test_pool_memory_is_resident_from_the_start():
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=4, head_dim=64, block_size=16, dtype=torch.bfloat16)
+    before = _resident_bytes()
+    pool = KVCachePool.from_budget(spec, 64 << 20, torch.device("cpu"))
+    # Touched at start: nothing is left to fault in mid-request.
+    assert _resident_bytes() - before >= 0.9 * 2 * pool.key_cache.numel() * pool.key_cache.element_size()
 
 
 def test_runner_allocates_nothing_and_checks_block_tables(runner: ModelRunner):

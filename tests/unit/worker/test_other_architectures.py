@@ -1,7 +1,9 @@
 """Any HF causal LM runs: tiny random models of several families give the same
 logits paged as with stock HF attention. The Llama family (Llama, Mistral,
-Qwen2, Qwen3) goes through the lean decoder; anything else (GPT-2 here:
-learned absolute positions, no GQA) through its own HF modules."""
+Qwen2, Qwen3) goes through the lean decoder, whose weights come straight from
+the safetensors files (one, or shards), or from the loaded model for other
+checkpoint formats; anything else (GPT-2 here: learned absolute positions, no
+GQA, and dynamic NTK RoPE) through its own HF modules."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -32,21 +34,35 @@ CONFIGS = {
         use_sliding_window=True, sliding_window=6, max_window_layers=1,
         layer_types=["full_attention", "sliding_attention", "sliding_attention"],
     ),
+    "llama-dynamic-rope": lambda: LlamaConfig(
+        **SMALL, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+    ),
     "gpt2": lambda: GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=256),
 }
+HF_MODULES = ("gpt2", "llama-dynamic-rope")
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_tiny_model_paged_matches_hf(name: str, tmp_path: Path):
+def _saved(model: torch.nn.Module, directory: Path, checkpoint_format: str) -> Path:
+    if checkpoint_format == "pytorch_model.bin":  # no safetensors: loaded through transformers
+        model.config.save_pretrained(directory)
+        torch.save(model.state_dict(), directory / "pytorch_model.bin")
+    else:
+        model.save_pretrained(directory, max_shard_size="100KB" if checkpoint_format == "shards" else "50GB")
+        assert (directory / "model.safetensors.index.json").exists() == (checkpoint_format == "shards")
+    return directory
+
+
+@pytest.mark.parametrize(("name", "checkpoint_format"), [(name, "safetensors") for name in sorted(CONFIGS)] + [
+    ("qwen2-sliding", "shards"), ("llama-bias-rope-scaling", "pytorch_model.bin")])
+def test_tiny_model_paged_matches_hf(name: str, checkpoint_format: str, tmp_path: Path):
     torch.manual_seed(0)
     config = CONFIGS[name]()
     config._attn_implementation = "eager"
     reference = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    reference.save_pretrained(tmp_path)
-    runner = ModelRunner(tmp_path, select_backend("cpu"), "float32", block_size=4,
-                         kv_cache_bytes=2**20, max_batch_size=8)
+    runner = ModelRunner(_saved(reference, tmp_path, checkpoint_format), select_backend("cpu"), "float32",
+                         block_size=4, kv_cache_bytes=2**20, max_batch_size=8)
 
-    assert isinstance(runner.decoder, LeanDecoder) == (name != "gpt2")
+    assert isinstance(runner.decoder, LeanDecoder) == (name not in HF_MODULES)
 
     tokens = {1: torch.randint(0, VOCAB, (23,)).tolist(), 2: torch.randint(0, VOCAB, (15,)).tolist()}
     with torch.inference_mode():

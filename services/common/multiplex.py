@@ -70,26 +70,28 @@ async def serve_calls(requests: AsyncIterator[Any], handle: Callable[[Any], Asyn
 
     async def read() -> None:
         nonlocal requests_done
-        async for message in requests:
-            action = message.WhichOneof("action")
-            if action == "start":
-                if message.call_id in calls:
-                    emit(event_type(call_id=message.call_id, end=status_pb2.Status(
-                        code=grpc.StatusCode.ALREADY_EXISTS.value[0],
-                        message=f"call {message.call_id} is already running on this stream")))
-                    continue
-                calls[message.call_id] = asyncio.create_task(run(message.call_id, message.start))
-            elif action == "cancel" and (task := calls.pop(message.call_id, None)) is not None:
-                task.cancel()
-        requests_done = True  # the caller will start nothing more; running calls go on
-        wake.set()
+        try:
+            async for message in requests:
+                action = message.WhichOneof("action")
+                if action == "start":
+                    if message.call_id in calls:
+                        emit(event_type(call_id=message.call_id, end=status_pb2.Status(
+                            code=grpc.StatusCode.ALREADY_EXISTS.value[0],
+                            message=f"call {message.call_id} is already running on this stream")))
+                        continue
+                    calls[message.call_id] = asyncio.create_task(run(message.call_id, message.start))
+                elif action == "cancel" and (task := calls.pop(message.call_id, None)) is not None:
+                    task.cancel()
+            requests_done = True  # the caller will start nothing more; running calls go on
+        finally:
+            wake.set()  # also when reading failed: the stream then ends with that error
 
     reader = asyncio.create_task(read())
     try:
         while True:
             await wake.wait()
             wake.clear()
-            if reader.done() and reader.exception() is not None:
+            if reader.done() and not reader.cancelled() and reader.exception() is not None:
                 raise reader.exception()  # type: ignore[misc]
             if outbox:
                 events = outbox[:]

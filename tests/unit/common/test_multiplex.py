@@ -222,3 +222,26 @@ def test_ending_the_stream_cancels_every_running_call() -> None:
             again.cancel()
 
     asyncio.run(scenario())
+
+
+def test_a_failing_request_stream_ends_the_response_stream() -> None:
+    """serve_calls alone: the caller's side breaking cancels the calls and ends
+    the stream with that error instead of leaving it waiting."""
+    held = asyncio.Event()
+
+    async def hold(request):
+        held.set()
+        await asyncio.Event().wait()
+        yield reply("never")
+
+    async def requests():
+        yield chat_pb2.ChatStreamRequest(call_id=1, start=ask("a"))
+        await held.wait()
+        raise ConnectionResetError("the caller went away")
+
+    async def scenario() -> None:
+        responses = serve_calls(requests(), hold, chat_pb2.ChatStreamResponse, chat_pb2.ChatStreamEvent)
+        with pytest.raises(ConnectionResetError):
+            await asyncio.wait_for(responses.__anext__(), timeout=5)
+
+    asyncio.run(scenario())

@@ -13,7 +13,8 @@ The two sides speak the same shape of messages, whatever the payload:
   last message).
 
 `serve_calls` answers such a stream on the server with a per-call handler
-(the per-request RPC's own logic), so both RPCs behave the same;
+(the per-request RPC's own logic), so both RPCs behave the same, and
+`multiplexed_method` makes a servicer method of it;
 `CallMultiplexer` is the client, whose calls read like grpc.aio's
 UnaryStreamCall (`read`, `async for`, `cancel`, errors as AioRpcError).
 """
@@ -22,6 +23,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
+from functools import partial
 from typing import Any
 
 import grpc
@@ -104,6 +107,21 @@ async def serve_calls(requests: AsyncIterator[Any], handle: Callable[[Any], Asyn
         for task in list(calls.values()):
             task.cancel()
         await asyncio.gather(reader, *calls.values(), return_exceptions=True)
+
+
+def multiplexed_method(handle: Callable[[Any, Any], AsyncIterator[Any]], response_type: type, event_type: type):
+    """A servicer method for a multiplexed RPC whose calls `handle(self, request)`
+    answers. An async generator function, as gRPC needs (it runs any other
+    handler on a thread); `serve_calls` is closed when the method ends, however
+    it ends, so no call outlives its stream."""
+
+    async def method(self, request_iterator, context):
+        async with aclosing(serve_calls(request_iterator, partial(handle, self), response_type,
+                                        event_type)) as responses:
+            async for response in responses:
+                yield response
+
+    return method
 
 
 class _End:

@@ -5,12 +5,11 @@ tokenizer's), one message per engine step for all of them."""
 from __future__ import annotations
 
 import logging
-from contextlib import aclosing
 
 import grpc
 
 from services.common.errors import ServiceError
-from services.common.multiplex import serve_calls
+from services.common.multiplex import multiplexed_method
 from services.scheduler.choices import Choices
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.convert import to_response, to_sequences, to_worker_load
@@ -28,16 +27,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         self.router = router
         self._live: dict[str, tuple[EngineLoop, Choices]] = {}
 
-    # gRPC runs a handler that is not an async generator function on a thread: these are.
+    # gRPC runs a handler that is not an async generator function on a thread: this is one.
     async def Generate(self, request, context):
         async for response in self._generate(request):
             yield response
-
-    async def GenerateStream(self, request_iterator, context):
-        async with aclosing(serve_calls(request_iterator, self._generate, scheduler_pb2.GenerateStreamResponse,
-                                        scheduler_pb2.GenerateStreamEvent)) as responses:
-            async for response in responses:
-                yield response
 
     async def _generate(self, request):
         if sum(e.load for e in self.router.engines) >= self.config.max_queue_size:
@@ -68,6 +61,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             if choices.unfinished:
                 engine.abort(choices.unfinished)
             engine.detach(request.request_id)
+
+    GenerateStream = multiplexed_method(_generate, scheduler_pb2.GenerateStreamResponse,
+                                        scheduler_pb2.GenerateStreamEvent)
 
     async def Abort(self, request, context):
         entry = self._live.get(request.request_id)

@@ -4,13 +4,12 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from contextlib import aclosing
 from functools import partial
 
 import grpc
 
 from services.common.errors import ServiceError, invalid_argument
-from services.common.multiplex import CallMultiplexer, MultiplexedCall, serve_calls
+from services.common.multiplex import CallMultiplexer, MultiplexedCall, multiplexed_method
 from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.formats import ModelFormats, OutputOptions, output_options
 from services.tokenizer.grammar import response_format_grammar
@@ -137,16 +136,10 @@ class ChatServicer(chat_pb2_grpc.ChatServiceServicer):
         self.core = core
         self.scheduler = scheduler
 
-    # gRPC runs a handler that is not an async generator function on a thread: these are.
+    # gRPC runs a handler that is not an async generator function on a thread: this is one.
     async def Chat(self, request, context):
         async for response in self._chat(request):
             yield response
-
-    async def ChatStream(self, request_iterator, context):
-        async with aclosing(serve_calls(request_iterator, self._chat, chat_pb2.ChatStreamResponse,
-                                        chat_pb2.ChatStreamEvent)) as responses:
-            async for response in responses:
-                yield response
 
     async def _chat(self, request):
         arrival_us = request.arrival_time_us or time.time_ns() // 1000
@@ -210,6 +203,8 @@ class ChatServicer(chat_pb2_grpc.ChatServiceServicer):
         finally:
             # Ends the sequence in the scheduler on a stop string or when our caller went away.
             call.cancel()
+
+    ChatStream = multiplexed_method(_chat, chat_pb2.ChatStreamResponse, chat_pb2.ChatStreamEvent)
 
     async def ListModels(self, request, context):
         core = self.core

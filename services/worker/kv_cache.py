@@ -35,7 +35,7 @@ def _advise_huge_pages(tensor: torch.Tensor) -> None:
     if length <= 0:
         return
     try:
-        ctypes.CDLL(None, use_errno=True).madvise(ctypes.c_void_p(aligned), ctypes.c_size_t(length), _MADV_HUGEPAGE)
+        ctypes.CDLL("libc.so.6", use_errno=True).madvise(ctypes.c_void_p(aligned), ctypes.c_size_t(length), _MADV_HUGEPAGE)
     except (OSError, AttributeError):  # not Linux: small pages it is
         pass
 

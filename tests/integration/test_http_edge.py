@@ -9,7 +9,7 @@ import json
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import aclosing, asynccontextmanager
+from contextlib import asynccontextmanager
 from typing import Any
 
 import grpc
@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2_grpc
 from stormserve.chat.v1 import chat_pb2, chat_pb2_grpc
 
 from services.common.errors import ServiceError
-from services.common.multiplex import serve_calls
+from services.common.multiplex import multiplexed_method
 from services.http_edge.app import create_app
 from services.http_edge.config import EdgeConfig
 
@@ -95,12 +95,9 @@ class FakeChatService(chat_pb2_grpc.ChatServiceServicer):
             self.cancelled.set()
             raise
 
-    async def ChatStream(self, request_iterator, context):
-        # What the edge calls: the services' own multiplexing over this fake's Chat.
-        async with aclosing(serve_calls(request_iterator, lambda request: self.Chat(request, None),
-                                        chat_pb2.ChatStreamResponse, chat_pb2.ChatStreamEvent)) as responses:
-            async for response in responses:
-                yield response
+    # What the edge calls: the services' own multiplexing over this fake's Chat.
+    ChatStream = multiplexed_method(lambda self, request: self.Chat(request, None), chat_pb2.ChatStreamResponse,
+                                    chat_pb2.ChatStreamEvent)
 
 
 class Backend:

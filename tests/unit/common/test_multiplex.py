@@ -70,6 +70,14 @@ async def served(handle: Handler) -> AsyncIterator[tuple[Service, CallMultiplexe
         await server.stop(None)
 
 
+async def eventually(condition: Callable[[], bool]) -> None:
+    """Wait up to a second for the server side to catch up with what the client did."""
+    for _ in range(100):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+
+
 def ask(request_id: str) -> chat_pb2.ChatRequest:
     return chat_pb2.ChatRequest(request_id=request_id)
 
@@ -143,10 +151,7 @@ def test_cancel_stops_the_handler_and_nothing_more_is_read() -> None:
             with pytest.raises(grpc.aio.AioRpcError) as cancelled:
                 await call.read()
             assert cancelled.value.code() == grpc.StatusCode.CANCELLED
-            for _ in range(100):
-                if service.cancelled:
-                    break
-                await asyncio.sleep(0.01)
+            await eventually(lambda: service.cancelled)
             assert service.cancelled == ["x"]
             assert (await other.read()).chunk.id == "0"  # the stream and the other call go on
             other.cancel()
@@ -166,10 +171,7 @@ def test_a_deadline_cancels_the_call_on_the_server() -> None:
             with pytest.raises(grpc.aio.AioRpcError) as expired:
                 await call.read()
             assert expired.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-            for _ in range(100):
-                if service.cancelled:
-                    break
-                await asyncio.sleep(0.01)
+            await eventually(lambda: service.cancelled)
             assert service.cancelled == ["slow"]
 
     asyncio.run(scenario())
@@ -212,10 +214,7 @@ def test_ending_the_stream_cancels_every_running_call() -> None:
             for call in started:
                 await call.read()
             await calls.close()
-            for _ in range(100):
-                if len(service.cancelled) == 2:
-                    break
-                await asyncio.sleep(0.01)
+            await eventually(lambda: len(service.cancelled) == 2)
             assert sorted(service.cancelled) == ["a", "b"]
             again = calls.start(ask("c"))  # a new stream
             assert (await again.read()).chunk.id == "hi"

@@ -59,13 +59,44 @@ class HTTPStatusError(Exception):
     """A response other than 200, with the start of its body."""
 
 
+class _Dechunker:
+    """Undoes HTTP/1.1 chunked transfer coding on data as it arrives."""
+
+    def __init__(self) -> None:
+        self._buffer = b""
+        self._left = 0  # bytes of the current chunk still to come, then its CRLF
+        self.is_done = False
+
+    def feed(self, data: bytes) -> bytes:
+        """The body bytes `data` completes; sets `is_done` after the last chunk."""
+        buffer, out = self._buffer + data, []
+        while buffer and not self.is_done:
+            if self._left:
+                take = buffer[:self._left]
+                out.append(take)
+                self._left -= len(take)
+                buffer = buffer[len(take):]
+                continue
+            end = buffer.find(b"\n")
+            if end < 0:
+                break
+            line, buffer = buffer[:end].strip(), buffer[end + 1:]
+            if not line:
+                continue  # the CRLF after a chunk's data
+            size = int(line.split(b";")[0], 16)
+            self._left, self.is_done = size, size == 0
+        self._buffer = buffer
+        return b"".join(out)
+
+
 async def post_events(url: str, body: bytes) -> AsyncIterator[bytes]:
     """POST a JSON body; yield the data of each server-sent event streamed back.
 
-    A minimal HTTP/1.1 client, one connection per request: the load generator
-    shares the machine with the server it measures, and an HTTP library parsing
-    each event in Python cost as much CPU as any one of our services. Answers
-    chunked or plain bodies, `\n` or `\r\n` line ends, http and https."""
+    A minimal HTTP/1.1 client, one connection per request, reading whatever
+    has arrived at each wake-up: the load generator shares the machine with
+    the server it measures, and an HTTP library parsing each event in Python
+    cost as much CPU as any one of our services. Answers chunked or plain
+    bodies, `\n` or `\r\n` line ends, http and https."""
     parts = urlsplit(url)
     secure = parts.scheme == "https"
     host, port = parts.hostname or "127.0.0.1", parts.port or (443 if secure else 80)
@@ -79,22 +110,19 @@ async def post_events(url: str, body: bytes) -> AsyncIterator[bytes]:
         while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
             name, _, value = line.decode("latin-1").partition(":")
             headers[name.strip().lower()] = value.strip().lower()
-        chunked = "chunked" in headers.get("transfer-encoding", "")
+        dechunker = _Dechunker() if "chunked" in headers.get("transfer-encoding", "") else None
         if status != 200:
-            raise HTTPStatusError(f"HTTP {status}: {(await reader.read(200 if not chunked else 400))!r}")
+            raise HTTPStatusError(f"HTTP {status}: {(await reader.read(200 if not dechunker else 400))!r}")
         pending = b""
-        while True:
-            if chunked:
-                size = int((await reader.readline()).split(b";")[0], 16)
-                data = (await reader.readexactly(size + 2))[:-2] if size else b""
-            else:
-                data = await reader.read(65536)
-            if not data:
-                break
+        while data := await reader.read(65536):
+            if dechunker is not None:
+                data = dechunker.feed(data)
             *lines, pending = (pending + data).split(b"\n")
             for line in lines:
                 if line.startswith(b"data:"):
                     yield line[5:].strip()
+            if dechunker is not None and dechunker.is_done:
+                break
     finally:
         writer.close()
 

@@ -13,8 +13,8 @@ The two sides speak the same shape of messages, whatever the payload:
   last message).
 
 `serve_calls` answers such a stream on the server with a per-call handler
-(the per-request RPC's own logic), so both RPCs behave the same, and
-`multiplexed_method` makes a servicer method of it;
+(the per-request RPC's own logic), so both RPCs behave the same:
+`call_method` and `multiplexed_method` make the two servicer methods of it;
 `CallMultiplexer` is the client, whose calls read like grpc.aio's
 UnaryStreamCall (`read`, `async for`, `cancel`, errors as AioRpcError).
 """
@@ -109,11 +109,22 @@ async def serve_calls(requests: AsyncIterator[Any], handle: Callable[[Any], Asyn
         await asyncio.gather(reader, *calls.values(), return_exceptions=True)
 
 
+def call_method(handle: Callable[[Any, Any], AsyncIterator[Any]]):
+    """A servicer method for the per-request RPC whose calls `handle(self, request)`
+    answers (Chat, Generate). An async generator function, as gRPC needs: it runs
+    any other handler on a thread."""
+
+    async def method(self, request, context):
+        async for response in handle(self, request):
+            yield response
+
+    return method
+
+
 def multiplexed_method(handle: Callable[[Any, Any], AsyncIterator[Any]], response_type: type, event_type: type):
     """A servicer method for a multiplexed RPC whose calls `handle(self, request)`
-    answers. An async generator function, as gRPC needs (it runs any other
-    handler on a thread); `serve_calls` is closed when the method ends, however
-    it ends, so no call outlives its stream."""
+    answers. An async generator function, as `call_method`'s; `serve_calls` is
+    closed when the method ends, however it ends, so no call outlives its stream."""
 
     async def method(self, request_iterator, context):
         async with aclosing(serve_calls(request_iterator, partial(handle, self), response_type,

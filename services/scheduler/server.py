@@ -9,7 +9,7 @@ import logging
 import grpc
 
 from services.common.errors import ServiceError
-from services.common.multiplex import multiplexed_method
+from services.common.multiplex import call_method, multiplexed_method
 from services.scheduler.choices import Choices
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.convert import to_response, to_sequences, to_worker_load
@@ -26,11 +26,6 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         self.config = config
         self.router = router
         self._live: dict[str, tuple[EngineLoop, Choices]] = {}
-
-    # gRPC runs a handler that is not an async generator function on a thread: this is one.
-    async def Generate(self, request, context):
-        async for response in self._generate(request):
-            yield response
 
     async def _generate(self, request):
         if sum(e.load for e in self.router.engines) >= self.config.max_queue_size:
@@ -62,6 +57,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                 engine.abort(choices.unfinished)
             engine.detach(request.request_id)
 
+    Generate = call_method(_generate)
     GenerateStream = multiplexed_method(_generate, scheduler_pb2.GenerateStreamResponse,
                                         scheduler_pb2.GenerateStreamEvent)
 

@@ -9,7 +9,7 @@ from functools import partial
 import grpc
 
 from services.common.errors import ServiceError, invalid_argument
-from services.common.multiplex import CallMultiplexer, MultiplexedCall, multiplexed_method
+from services.common.multiplex import CallMultiplexer, MultiplexedCall, call_method, multiplexed_method
 from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.formats import ModelFormats, OutputOptions, output_options
 from services.tokenizer.grammar import response_format_grammar
@@ -136,11 +136,6 @@ class ChatServicer(chat_pb2_grpc.ChatServiceServicer):
         self.core = core
         self.scheduler = scheduler
 
-    # gRPC runs a handler that is not an async generator function on a thread: this is one.
-    async def Chat(self, request, context):
-        async for response in self._chat(request):
-            yield response
-
     async def _chat(self, request):
         arrival_us = request.arrival_time_us or time.time_ns() // 1000
         self.core.check_model(request.model)
@@ -204,6 +199,7 @@ class ChatServicer(chat_pb2_grpc.ChatServiceServicer):
             # Ends the sequence in the scheduler on a stop string or when our caller went away.
             call.cancel()
 
+    Chat = call_method(_chat)
     ChatStream = multiplexed_method(_chat, chat_pb2.ChatStreamResponse, chat_pb2.ChatStreamEvent)
 
     async def ListModels(self, request, context):

@@ -70,6 +70,12 @@ async def served(handle: Handler) -> AsyncIterator[tuple[Service, CallMultiplexe
         await server.stop(None)
 
 
+async def hold(request: chat_pb2.ChatRequest) -> AsyncIterator[chat_pb2.ChatResponse]:
+    """A call that answers once and then runs until it is cancelled."""
+    yield reply("hi")
+    await asyncio.Event().wait()
+
+
 async def eventually(condition: Callable[[], bool]) -> None:
     """Wait up to a second for the server side to catch up with what the client did."""
     for _ in range(100):
@@ -160,14 +166,10 @@ def test_cancel_stops_the_handler_and_nothing_more_is_read() -> None:
 
 
 def test_a_deadline_cancels_the_call_on_the_server() -> None:
-    async def hold(request):
-        yield reply("early")
-        await asyncio.Event().wait()
-
     async def scenario() -> None:
         async with served(hold) as (service, calls, _):
             call = calls.start(ask("slow"), timeout_s=0.2)
-            assert (await call.read()).chunk.id == "early"
+            assert (await call.read()).chunk.id == "hi"
             with pytest.raises(grpc.aio.AioRpcError) as expired:
                 await call.read()
             assert expired.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -178,10 +180,6 @@ def test_a_deadline_cancels_the_call_on_the_server() -> None:
 
 
 def test_a_lost_stream_fails_its_calls_and_the_next_call_opens_a_new_one() -> None:
-    async def hold(request):
-        yield reply("hi")
-        await asyncio.Event().wait()
-
     async def scenario() -> None:
         async with served(hold) as (service, calls, _):
             first, second = calls.start(ask("a")), calls.start(ask("b"))
@@ -204,10 +202,6 @@ def test_a_lost_stream_fails_its_calls_and_the_next_call_opens_a_new_one() -> No
 
 
 def test_ending_the_stream_cancels_every_running_call() -> None:
-    async def hold(request):
-        yield reply("hi")
-        await asyncio.Event().wait()
-
     async def scenario() -> None:
         async with served(hold) as (service, calls, _):
             started = [calls.start(ask(name)) for name in ("a", "b")]

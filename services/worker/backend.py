@@ -52,10 +52,14 @@ def _add(y: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
 # The batch size oneDNN lays packed weights out for; measured on a 2-core AVX-512
 # machine, packing for 32 rows serves 1 to 256 rows about as well as an exact hint.
 _PACKING_ROWS = 32
-# Up to this many rows, an exactly-4-bit weight runs on the int4 kernel (int4.py):
-# whole decode steps of the bundled model measured 2.5 times faster than bfloat16
-# at 1 row, 1.1 times at 8, and slower from about 10 rows on.
+# Up to this many rows, an exactly-4-bit weight runs on the int4 kernel (int4.py).
+# Beside oneDNN: whole decode steps of the bundled model measured 2.5 times
+# faster than bfloat16 at 1 row, 1.1 times at 8, and slower from about 10 rows
+# on. Beside the vdpbf16ps kernel (the bundled model's linears, 30 layers): 2.0
+# times faster at 1 row, 1.26 at 4, and 1.4 times slower from 5 rows on, where
+# the int4 kernel moves from 4-row to 1-row tiles.
 _INT4_MAX_ROWS = 8
+_INT4_MAX_ROWS_BESIDE_KERNEL = 4
 
 
 def _npu_available() -> bool:
@@ -124,33 +128,41 @@ class Backend:
     def linear(self, weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
         """y = x @ weight.T + bias, prepared once for this device.
 
-        On CPU the weight is prepacked for oneDNN when it is float32, or bfloat16 on
-        a CPU that computes bfloat16 natively (AMX where the CPU has it). Plain
-        matmuls run 1.4 to 2.1 times slower at 1 to 32 rows: bfloat16 on an
-        AVX-512 Xeon, float32 on an AVX2 EPYC (the bundled model's linears).
+        On CPU a bfloat16 weight runs on the vdpbf16ps kernel (cpu_kernels.py)
+        where the CPU has AVX512_BF16; otherwise the weight is prepacked for
+        oneDNN when it is float32, or bfloat16 on a CPU that computes bfloat16
+        natively (AMX where the CPU has it). Plain matmuls run 1.4 to 2.1 times
+        slower at 1 to 32 rows: bfloat16 on an AVX-512 Xeon, float32 on an AVX2
+        EPYC (the bundled model's linears).
         A bfloat16 weight that is exactly 4-bit (from a Q4 GGUF) also gets the int4
-        kernel for steps of at most _INT4_MAX_ROWS rows.
+        kernel for steps of a few rows (_INT4_MAX_ROWS*).
         """
         weight = weight.detach()
         bias = None if bias is None else bias.detach()
         prepacks = weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and cpu_computes_bfloat16())
         if self.name != "cpu" or not torch.backends.mkldnn.is_available() or not prepacks:
             return lambda x, residual=None: _add(F.linear(x, weight, bias), residual)
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACKING_ROWS)
+        packed_kernel = cpu_kernels.packed_linear(weight, bias)
+        if packed_kernel is not None:
+            batched: Linear = packed_kernel
+            int4_max_rows = _INT4_MAX_ROWS_BESIDE_KERNEL
+        else:
+            int4_max_rows = _INT4_MAX_ROWS
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACKING_ROWS)
 
-        def onednn(x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-            if residual is None:
-                return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-            # The residual add as the matmul's epilogue: no extra pass over the activations.
-            return torch.ops.mkldnn._linear_pointwise.binary(x, residual, packed, bias, "add")
+            def batched(x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+                if residual is None:
+                    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+                # The residual add as the matmul's epilogue: no extra pass over the activations.
+                return torch.ops.mkldnn._linear_pointwise.binary(x, residual, packed, bias, "add")
 
         four_bit = int4.pack_if_4bit(weight) if weight.dtype == torch.bfloat16 else None
         if four_bit is None:
-            return onednn
+            return batched
 
         def small_batch_int4(x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-            if x.shape[0] > _INT4_MAX_ROWS:
-                return onednn(x, residual)
+            if x.shape[0] > int4_max_rows:
+                return batched(x, residual)
             y = int4.int4_linear(x, *four_bit)
             return _add(y if bias is None else y + bias, residual)
 

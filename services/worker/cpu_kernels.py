@@ -9,6 +9,9 @@
 - One-pass RMSNorm, rotary embedding and SiLU-times-up (elementwise.c), which
   torch runs as several passes each over activations that a prefill step no
   longer holds in cache.
+- bfloat16 linears on vdpbf16ps (linear.c), where the CPU has AVX512_BF16:
+  1.1 to 1.9 times oneDNN's speed at 12 to 64 rows on the bundled model's
+  shapes, level with it at 1,024 rows.
 
 The pure-torch paths (attention.py, decoder.py) stay the reference the tests
 hold these to, and the fallback where no compiler or no kernel exists (other
@@ -101,6 +104,11 @@ def _library() -> ctypes.CDLL | None:
             function = getattr(library, f"{kernel}_{suffix}")
             function.argtypes = argtypes
             function.restype = ctypes.c_int if kernel == "paged_attention" else None
+    if hasattr(library, "linear_bf16"):  # built only for CPUs with AVX512_BF16
+        library.pack_linear_bf16.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+        library.pack_linear_bf16.restype = None
+        library.linear_bf16.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3
+        library.linear_bf16.restype = None
     return library
 
 
@@ -192,3 +200,43 @@ def layer_ops(dtype: torch.dtype, hidden_size: int, intermediate_size: int, head
     if _function("rms_norm", dtype) is None:
         return None
     return LayerOps(dtype)
+
+
+class PackedLinear:
+    """y = x @ weight.T + bias (+ residual) for bfloat16 x [..., in], on linear.c
+    with the weight packed once for it."""
+
+    def __init__(self, function, packed: torch.Tensor, out_features: int, in_features: int,
+                 bias: torch.Tensor | None):
+        self._function = function
+        self._packed = packed
+        self._out_features, self._in_features = out_features, in_features
+        self._bias = None if bias is None else bias.detach().to(torch.bfloat16).contiguous()
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        x = x.contiguous()
+        out = torch.empty((*x.shape[:-1], self._out_features), dtype=torch.bfloat16)
+        if residual is not None:
+            residual = residual.contiguous()
+        self._function(
+            x.data_ptr(), self._packed.data_ptr(), 0 if self._bias is None else self._bias.data_ptr(),
+            0 if residual is None else residual.data_ptr(), out.data_ptr(),
+            x.numel() // self._in_features, self._out_features, self._in_features,
+        )
+        return out
+
+
+def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> PackedLinear | None:
+    """The bfloat16 linear kernel for `weight` [out, in], or None where there is
+    none: not bfloat16, out not a multiple of 16 or in odd, or a CPU (or
+    compiler) without AVX512_BF16."""
+    out_features, in_features = weight.shape
+    if weight.dtype != torch.bfloat16 or out_features % _LANES or in_features % 2:
+        return None
+    library = _library()
+    if library is None or not hasattr(library, "linear_bf16"):
+        return None
+    weight = weight.detach().contiguous()
+    packed = torch.empty(out_features * in_features, dtype=torch.bfloat16)
+    library.pack_linear_bf16(weight.data_ptr(), out_features, in_features, packed.data_ptr())
+    return PackedLinear(library.linear_bf16, packed, out_features, in_features, bias)

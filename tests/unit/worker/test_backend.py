@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from services.worker import cpu_kernels
 from services.worker.backend import cpu_computes_bfloat16, select_backend
 from services.worker.int4 import int4_linear, pack_if_4bit
 
@@ -21,6 +22,35 @@ def test_prepared_linear_matches_f_linear(dtype: torch.dtype, rows: int, with_bi
     # bfloat16: both accumulate in float32 and round once; block order may differ.
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(linear(x), F.linear(x, weight, bias), atol=tolerance * 10, rtol=tolerance)
+
+
+def _avx512_bf16() -> bool:
+    return "avx512_bf16" in cpu_kernels._cpu_flags().split()
+
+
+@pytest.mark.skipif(not _avx512_bf16(), reason="the bfloat16 linear kernel needs AVX512_BF16")
+@pytest.mark.parametrize("rows", [1, 7, 8, 9, 33])  # whole and partial 8-row tiles
+@pytest.mark.parametrize("out_features", [16, 32, 48, 80])  # whole and partial 48-output strips
+def test_bfloat16_kernel_adds_bias_and_residual_and_rounds_once(rows: int, out_features: int):
+    torch.manual_seed(rows * out_features)
+    weight, bias = torch.randn(out_features, 96), torch.randn(out_features)
+    x, residual = torch.randn(rows, 96), torch.randn(rows, out_features)
+    linear = cpu_kernels.packed_linear(weight.bfloat16(), bias.bfloat16())
+    assert linear is not None
+    exact = F.linear(x.bfloat16().float(), weight.bfloat16().float(), bias.bfloat16().float())
+    # Float32 sums, one rounding to bfloat16 at the end: within half a bfloat16 step.
+    torch.testing.assert_close(linear(x.bfloat16()).float(), exact, atol=1e-2, rtol=2 ** -8)
+    with_residual = exact + residual.bfloat16().float()
+    torch.testing.assert_close(linear(x.bfloat16(), residual.bfloat16()).float(), with_residual, atol=1e-2,
+                               rtol=2 ** -8)
+    # A 3-d input keeps its leading dimensions.
+    assert linear(x.bfloat16().view(1, rows, 96)).shape == (1, rows, out_features)
+
+
+def test_bfloat16_kernel_is_declined_where_its_layout_does_not_fit():
+    assert cpu_kernels.packed_linear(torch.randn(40, 96, dtype=torch.bfloat16), None) is None  # 40 outputs
+    assert cpu_kernels.packed_linear(torch.randn(48, 95, dtype=torch.bfloat16), None) is None  # odd inputs
+    assert cpu_kernels.packed_linear(torch.randn(48, 96), None) is None  # float32
 
 
 def _four_bit_weight(out_features: int, in_features: int) -> torch.Tensor:
@@ -40,7 +70,7 @@ def test_exactly_4bit_weights_are_recognised_and_nothing_else():
     assert pack_if_4bit(_four_bit_weight(64, 96).bfloat16()[:, :72]) is None  # not whole groups
 
 
-@pytest.mark.parametrize("rows", [1, 8, 9, 40])  # int4 kernel up to 8 rows, oneDNN above
+@pytest.mark.parametrize("rows", [1, 4, 5, 8, 9, 40])  # int4 kernel up to 4 or 8 rows, the batched one above
 def test_4bit_weights_give_the_same_products_on_either_kernel(rows: int):
     torch.manual_seed(rows)
     weight = _four_bit_weight(96, 128)

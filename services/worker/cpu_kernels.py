@@ -214,13 +214,15 @@ class PackedLinear:
         self._bias = None if bias is None else bias.detach().to(torch.bfloat16).contiguous()
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if x.dtype != torch.bfloat16 or (residual is not None and residual.dtype != torch.bfloat16):
+            raise TypeError(f"the bfloat16 linear kernel got {x.dtype} activations")
         x = x.contiguous()
         out = torch.empty((*x.shape[:-1], self._out_features), dtype=torch.bfloat16)
         if residual is not None:
             residual = residual.contiguous()
         self._function(
-            x.data_ptr(), self._packed.data_ptr(), 0 if self._bias is None else self._bias.data_ptr(),
-            0 if residual is None else residual.data_ptr(), out.data_ptr(),
+            x.data_ptr(), self._packed.data_ptr(), None if self._bias is None else self._bias.data_ptr(),
+            None if residual is None else residual.data_ptr(), out.data_ptr(),
             x.numel() // self._in_features, self._out_features, self._in_features,
         )
         return out

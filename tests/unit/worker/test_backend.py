@@ -43,8 +43,10 @@ def test_bfloat16_kernel_adds_bias_and_residual_and_rounds_once(rows: int, out_f
     with_residual = exact + residual.bfloat16().float()
     torch.testing.assert_close(linear(x.bfloat16(), residual.bfloat16()).float(), with_residual, atol=1e-2,
                                rtol=2 ** -8)
-    # A 3-d input keeps its leading dimensions.
+    # A 3-d input keeps its leading dimensions; float32 activations are refused, not misread.
     assert linear(x.bfloat16().view(1, rows, 96)).shape == (1, rows, out_features)
+    with pytest.raises(TypeError):
+        linear(x)
 
 
 def test_bfloat16_kernel_is_declined_where_its_layout_does_not_fit():

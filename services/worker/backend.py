@@ -129,7 +129,7 @@ class Backend:
         """y = x @ weight.T + bias, prepared once for this device.
 
         On CPU a bfloat16 weight runs on the vdpbf16ps kernel (cpu_kernels.py)
-        where the CPU has AVX512_BF16; otherwise the weight is prepacked for
+        where the CPU has AVX512_BF16 and no AMX; otherwise the weight is prepacked for
         oneDNN when it is float32, or bfloat16 on a CPU that computes bfloat16
         natively (AMX where the CPU has it). Plain matmuls run 1.4 to 2.1 times
         slower at 1 to 32 rows: bfloat16 on an AVX-512 Xeon, float32 on an AVX2
@@ -142,7 +142,8 @@ class Backend:
         prepacks = weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and cpu_computes_bfloat16())
         if self.name != "cpu" or not torch.backends.mkldnn.is_available() or not prepacks:
             return lambda x, residual=None: _add(F.linear(x, weight, bias), residual)
-        packed_kernel = cpu_kernels.packed_linear(weight, bias)
+        # With AMX, oneDNN's tile kernels outrun anything built on vdpbf16ps.
+        packed_kernel = None if torch.cpu._is_amx_tile_supported() else cpu_kernels.packed_linear(weight, bias)
         if packed_kernel is not None:
             batched: Linear = packed_kernel
             int4_max_rows = _INT4_MAX_ROWS_BESIDE_KERNEL

@@ -3,9 +3,10 @@
 The HF modules run a decode step as hundreds of small module calls; at small
 batch on CPU that Python overhead costs as much as the matmuls. This path reads
 the same weights from the checkpoint (checkpoint.py; transformers' model
-classes are never built) and runs the same math with fewer ops: Q/K/V fused into one matmul, gate/up fused into one, the rotary table
-computed once per step, every linear prepared by the backend (prepacked for
-oneDNN on CPU bfloat16, residual adds fused into o_proj and down), and on CPU
+classes are never built) and runs the same math with fewer ops: Q/K/V fused
+into one matmul, gate/up fused into one, the rotary table computed once per
+step, every linear prepared by the backend (on CPU packed for its bfloat16
+kernel or for oneDNN, residual adds fused into o_proj and down), and on CPU
 one-pass kernels for RMSNorm, rotary and SiLU-times-up (cpu_kernels.LayerOps;
 TorchLayerOps elsewhere). Attention is the same paged attention the HF path
 uses (attention.paged_attention).

@@ -186,15 +186,14 @@ class ModelRunner:
         self.config = AutoConfig.from_pretrained(model_dir)
         text_config = self.config.get_text_config()
         architecture = (getattr(self.config, "architectures", None) or [self.config.model_type])[0]
+        lean = LeanDecoder.supports(self.config)
         with torch.inference_mode():
-            if LeanDecoder.supports(self.config) and Checkpoint.available(model_dir):
+            if lean and Checkpoint.available(model_dir):
                 self.decoder: Decoder = LeanDecoder(self.config, Checkpoint(model_dir, dtype_t, backend.device),
                                                     backend)
             else:
                 model = _load_hf_model(model_dir, dtype_t, backend)
-                supported = LeanDecoder.supports(self.config)
-                self.decoder = LeanDecoder(self.config, model.state_dict(), backend) if supported else \
-                    _hf_decoder(model)
+                self.decoder = LeanDecoder(self.config, model.state_dict(), backend) if lean else _hf_decoder(model)
                 del model  # the lean decoder holds every weight it needs; the HF modules go
         self.generation_config = _generation_config(model_dir, self.config)
         self.vocab_size: int = int(text_config.vocab_size)

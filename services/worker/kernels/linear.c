@@ -10,8 +10,8 @@
  *
  * Threads take 48-output column strips in any order (dynamic schedule), every
  * strip all rows: a strip's weights are read from memory once per call, and a
- * thread that falls behind (preempted, or on a busier core) leaves its share
- * of the remaining strips to the others.
+ * thread that falls behind leaves the remaining strips to the others (one
+ * preempted mid-strip still holds them up at the end of the call).
  *
  * Only built where the compiler targets AVX512_BF16; cpu_kernels.py then finds
  * no `linear_bf16` in the library and the backend keeps oneDNN. */

@@ -216,8 +216,13 @@ class PackedLinear:
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         if x.dtype != torch.bfloat16 or (residual is not None and residual.dtype != torch.bfloat16):
             raise TypeError(f"the bfloat16 linear kernel got {x.dtype} activations")
+        shape = (*x.shape[:-1], self._out_features)
+        # The kernel reads whole rows of in_features: other shapes would read past x or residual.
+        if x.shape[-1] != self._in_features or (residual is not None and residual.shape != shape):
+            raise ValueError(f"the linear maps [..., {self._in_features}] to {shape}, got {tuple(x.shape)}"
+                             + ("" if residual is None else f" and a {tuple(residual.shape)} residual"))
         x = x.contiguous()
-        out = torch.empty((*x.shape[:-1], self._out_features), dtype=torch.bfloat16)
+        out = torch.empty(shape, dtype=torch.bfloat16)
         if residual is not None:
             residual = residual.contiguous()
         self._function(

@@ -47,6 +47,11 @@ def test_bfloat16_kernel_adds_bias_and_residual_and_rounds_once(rows: int, out_f
     assert linear(x.bfloat16().view(1, rows, 96)).shape == (1, rows, out_features)
     with pytest.raises(TypeError):
         linear(x)
+    # Shapes the kernel would read past are refused, as F.linear refuses them.
+    with pytest.raises(ValueError):
+        linear(torch.randn(rows, 95).bfloat16())
+    with pytest.raises(ValueError):
+        linear(x.bfloat16(), torch.randn(rows + 1, out_features).bfloat16())
 
 
 def test_bfloat16_kernel_is_declined_where_its_layout_does_not_fit():

@@ -26,7 +26,7 @@ def _kernel(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> cpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim", "block_size"),
-    [(9, 3, 64, 16), (4, 4, 128, 8), (8, 1, 32, 128), (16, 2, 80, 16)],
+    [(9, 3, 64, 16), (12, 2, 64, 16), (4, 4, 128, 8), (8, 1, 32, 128), (16, 2, 80, 16)],
 )
 @pytest.mark.parametrize("window", [None, 5, 40])
 def test_kernel_matches_sdpa(dtype, heads, kv_heads, head_dim, block_size, window):

@@ -11,10 +11,16 @@
  * Threads take 48-output column strips in any order (dynamic schedule), every
  * strip all rows: a strip's weights are read from memory once per call, and a
  * thread that falls behind leaves the remaining strips to the others (one
- * preempted mid-strip still holds them up at the end of the call).
+ * preempted mid-strip still holds them up at the end of the call). While a
+ * strip's second tile of rows runs from cache, it prefetches into L2 the strip
+ * its thread most likely takes next (threads move through the strips about
+ * together): at 32 rows the bundled model's linears, weights read from
+ * memory, 29 -> 25 ms per decode step on a Zen 4 VM.
  *
  * Only built where the compiler targets AVX512_BF16; cpu_kernels.py then finds
  * no `linear_bf16` in the library and the backend keeps oneDNN. */
+#include <omp.h>
+
 #include "simd.h"
 
 #if defined(__AVX512BF16__)
@@ -46,7 +52,7 @@ INLINE __m512 widen(const uint16_t *bf16) {
  * tile of a strip prefetches the weights ahead: they come from memory, later
  * tiles find them in cache. */
 INLINE void tile(const uint16_t *x, const uint16_t *w, const uint16_t *bias, const uint16_t *residual, uint16_t *out,
-                 int64_t n, int64_t k, int rows, int blocks, int prefetch) {
+                 int64_t n, int64_t k, int rows, int blocks, int prefetch, const uint16_t *next, int next_blocks) {
     __m512 sum[TILE_ROWS][STRIP];
     for (int i = 0; i < rows; i++)
         for (int j = 0; j < blocks; j++) sum[i][j] = _mm512_setzero_ps();
@@ -57,6 +63,8 @@ INLINE void tile(const uint16_t *x, const uint16_t *w, const uint16_t *bias, con
             wv[j] = (__m512bh)_mm512_loadu_si512(w + j * block_stride + p * 2 * BLOCK);
             if (prefetch) _mm_prefetch((const char *)(w + j * block_stride + (p + PREFETCH) * 2 * BLOCK), _MM_HINT_T0);
         }
+        for (int j = 0; j < next_blocks; j++)
+            _mm_prefetch((const char *)(next + j * block_stride + p * 2 * BLOCK), _MM_HINT_T1);
         for (int i = 0; i < rows; i++) {
             int32_t pair;
             memcpy(&pair, x + i * k + 2 * p, sizeof pair);
@@ -82,12 +90,17 @@ void linear_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias
     for (int64_t s = 0; s < strips; s++) {
         const int64_t b = s * STRIP, col = b * BLOCK;
         const int nb = (int)MIN(STRIP, blocks - b);
+        /* The strip this thread likely takes next, prefetched into L2 by the second tile. */
+        const int64_t ns = s + omp_get_num_threads();
+        const int next_blocks = ns < strips && m > TILE_ROWS ? (int)MIN(STRIP, blocks - ns * STRIP) : 0;
+        const uint16_t *next = next_blocks ? packed + ns * STRIP * k * BLOCK : NULL;
         const uint16_t *w = packed + b * k * BLOCK, *strip_bias = bias == NULL ? NULL : bias + col;
         for (int64_t r = 0; r < m; r += TILE_ROWS) {
             const int rows = (int)MIN(TILE_ROWS, m - r);
             const uint16_t *tile_residual = residual == NULL ? NULL : residual + r * n + col;
             /* Constant row and block counts, so each case compiles to its own unrolled tile. */
-#define TILE(ROWS, BLOCKS) tile(x + r * k, w, strip_bias, tile_residual, out + r * n + col, n, k, ROWS, BLOCKS, r == 0)
+#define TILE(ROWS, BLOCKS) tile(x + r * k, w, strip_bias, tile_residual, out + r * n + col, n, k, ROWS, BLOCKS, r == 0, \
+                                r == TILE_ROWS ? next : NULL, r == TILE_ROWS ? next_blocks : 0)
 #define BLOCKS_OF(ROWS)                            \
     switch (nb) {                                  \
         case 3: TILE(ROWS, 3); break;              \

@@ -28,7 +28,8 @@ $(VENV)/.installed: requirements.txt
 
 $(BUF): package.json package-lock.json
 	# `npm ci` refuses this lock: the registry lacks some platforms' optional buf binaries.
-	npm install --no-audit --no-fund --loglevel=error
+	# --no-save: the lock stays as committed wherever the registry has more of them.
+	npm install --no-save --no-audit --no-fund --loglevel=error
 	touch $@
 
 # googleapis protos come from the pinned googleapis-common-protos wheel.

@@ -50,7 +50,8 @@ INLINE __m512 widen(const uint16_t *bf16) {
 /* rows x blocks outputs at out (row stride n): x rows from x (row stride k),
  * weights from the packed blocks at w (block stride k * BLOCK). The first
  * tile of a strip prefetches the weights ahead: they come from memory, later
- * tiles find them in cache. */
+ * tiles find them in cache. `next_blocks` blocks from `next` (the second tile's
+ * share: the strip after) are prefetched into L2 along the way. */
 INLINE void tile(const uint16_t *x, const uint16_t *w, const uint16_t *bias, const uint16_t *residual, uint16_t *out,
                  int64_t n, int64_t k, int rows, int blocks, int prefetch, const uint16_t *next, int next_blocks) {
     __m512 sum[TILE_ROWS][STRIP];
@@ -100,7 +101,7 @@ void linear_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias
             const uint16_t *tile_residual = residual == NULL ? NULL : residual + r * n + col;
             /* Constant row and block counts, so each case compiles to its own unrolled tile. */
 #define TILE(ROWS, BLOCKS) tile(x + r * k, w, strip_bias, tile_residual, out + r * n + col, n, k, ROWS, BLOCKS, r == 0, \
-                                r == TILE_ROWS ? next : NULL, r == TILE_ROWS ? next_blocks : 0)
+                                next, r == TILE_ROWS ? next_blocks : 0)
 #define BLOCKS_OF(ROWS)                            \
     switch (nb) {                                  \
         case 3: TILE(ROWS, 3); break;              \

@@ -60,6 +60,11 @@ _PACKING_ROWS = 32
 # the int4 kernel moves from 4-row to 1-row tiles.
 _INT4_MAX_ROWS = 8
 _INT4_MAX_ROWS_BESIDE_KERNEL = 4
+# On an AVX2 CPU, linear.c's 4-bit kernel beside its bfloat16 one (the bundled
+# model's linears, 30 layers and lm_head, weights read from memory, Zen 3 VM):
+# 11 against 19 ms at 1 row, 14 against 23 at 3, level at 4, slower from 5 rows
+# on, where it moves from 4-row to 1-row tiles.
+_Q4_MAX_ROWS = 4
 
 
 def _npu_available() -> bool:
@@ -119,35 +124,40 @@ class Backend:
         return 0.5 if self.name == "cpu" else 0.8
 
     def resolve_dtype(self, name: str) -> str:
-        """`auto` is bfloat16 on accelerators and on CPUs that compute it natively,
-        float32 on other CPUs; any other name is returned as it is."""
+        """`auto` is bfloat16 on accelerators and on CPUs that compute it natively
+        or run the bfloat16 linear kernel (cpu_kernels.py), float32 on other CPUs;
+        any other name is returned as it is."""
         if name != "auto":
             return name
-        return "bfloat16" if self.name != "cpu" or cpu_computes_bfloat16() else "float32"
+        if self.name != "cpu" or cpu_computes_bfloat16() or cpu_kernels.bfloat16_linear_available():
+            return "bfloat16"
+        return "float32"
 
     def linear(self, weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
         """y = x @ weight.T + bias, prepared once for this device.
 
-        On CPU a bfloat16 weight runs on the vdpbf16ps kernel (cpu_kernels.py)
-        where the CPU has AVX512_BF16 and no AMX; otherwise the weight is prepacked for
-        oneDNN when it is float32, or bfloat16 on a CPU that computes bfloat16
-        natively (AMX where the CPU has it). Plain matmuls run 1.4 to 2.1 times
-        slower at 1 to 32 rows: bfloat16 on an AVX-512 Xeon, float32 on an AVX2
-        EPYC (the bundled model's linears).
-        A bfloat16 weight that is exactly 4-bit (from a Q4 GGUF) also gets the int4
-        kernel for steps of a few rows (_INT4_MAX_ROWS*).
+        On CPU a bfloat16 weight runs on the bfloat16 linear kernel (cpu_kernels.py)
+        where the CPU has AVX512_BF16 and no AMX, or AVX2 and no AVX-512; otherwise
+        the weight is prepacked for oneDNN when it is float32, or bfloat16 on a CPU
+        that computes bfloat16 natively (AMX where the CPU has it). Plain matmuls
+        run 1.4 to 2.1 times slower at 1 to 32 rows: bfloat16 on an AVX-512 Xeon,
+        float32 on an AVX2 EPYC (the bundled model's linears).
+        A bfloat16 weight that is exactly 4-bit (from a Q4 GGUF) also gets a 4-bit
+        kernel for steps of a few rows (_INT4_MAX_ROWS*, _Q4_MAX_ROWS): torch's
+        int4 kernel on a CPU that computes bfloat16 natively, linear.c's on an
+        AVX2 CPU, where torch's is 10 times slower than a float32 matmul.
         """
         weight = weight.detach()
         bias = None if bias is None else bias.detach()
-        prepacks = weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and cpu_computes_bfloat16())
-        if self.name != "cpu" or not torch.backends.mkldnn.is_available() or not prepacks:
+        if self.name != "cpu":
             return lambda x, residual=None: _add(F.linear(x, weight, bias), residual)
         # With AMX, oneDNN's tile kernels outrun anything built on vdpbf16ps.
         packed_kernel = None if torch.cpu._is_amx_tile_supported() else cpu_kernels.packed_linear(weight, bias)
+        prepacks = weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and cpu_computes_bfloat16())
         if packed_kernel is not None:
             batched: Linear = packed_kernel
             int4_max_rows = _INT4_MAX_ROWS_BESIDE_KERNEL
-        else:
+        elif prepacks and torch.backends.mkldnn.is_available():
             int4_max_rows = _INT4_MAX_ROWS
             packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACKING_ROWS)
 
@@ -156,16 +166,28 @@ class Backend:
                     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
                 # The residual add as the matmul's epilogue: no extra pass over the activations.
                 return torch.ops.mkldnn._linear_pointwise.binary(x, residual, packed, bias, "add")
+        else:
+            return lambda x, residual=None: _add(F.linear(x, weight, bias), residual)
 
-        four_bit = int4.pack_if_4bit(weight) if weight.dtype == torch.bfloat16 else None
+        native = cpu_computes_bfloat16()
+        exact_4bit = weight.dtype == torch.bfloat16 and (native or cpu_kernels.q4_linear_available())
+        four_bit = int4.four_bit_codes(weight) if exact_4bit else None
         if four_bit is None:
             return batched
+        if native:
+            torch_int4 = int4.pack_for_torch(*four_bit, weight.dtype)
+
+            def small(x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+                y = int4.int4_linear(x, *torch_int4)
+                return _add(y if bias is None else y + bias, residual)
+        else:
+            small = cpu_kernels.packed_q4_linear(*four_bit, bias)
+            int4_max_rows = _Q4_MAX_ROWS
+            if small is None:
+                return batched
 
         def small_batch_int4(x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-            if x.shape[0] > int4_max_rows:
-                return batched(x, residual)
-            y = int4.int4_linear(x, *four_bit)
-            return _add(y if bias is None else y + bias, residual)
+            return batched(x, residual) if x.shape[0] > int4_max_rows else small(x, residual)
 
         return small_batch_int4
 

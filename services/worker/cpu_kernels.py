@@ -9,9 +9,12 @@
 - One-pass RMSNorm, rotary embedding and SiLU-times-up (elementwise.c), which
   torch runs as several passes each over activations that a prefill step no
   longer holds in cache.
-- bfloat16 linears on vdpbf16ps (linear.c), where the CPU has AVX512_BF16:
+- bfloat16 linears (linear.c): on vdpbf16ps where the CPU has AVX512_BF16,
   1.1 to 1.9 times oneDNN's speed at 12 to 64 rows on the bundled model's
-  shapes, level with it at 1,024 rows.
+  shapes, level with it at 1,024 rows; on float32 FMAs over weights widened in
+  registers where it has AVX2 and no AVX-512, on which oneDNN only emulates
+  bfloat16. There also exactly-4-bit weights (int4.py) for steps of a few
+  rows, where torch's int4 kernel is slower than a float32 matmul.
 
 The pure-torch paths (attention.py, decoder.py) stay the reference the tests
 hold these to, and the fallback where no compiler or no kernel exists (other
@@ -104,11 +107,16 @@ def _library() -> ctypes.CDLL | None:
             function = getattr(library, f"{kernel}_{suffix}")
             function.argtypes = argtypes
             function.restype = ctypes.c_int if kernel == "paged_attention" else None
-    if hasattr(library, "linear_bf16"):  # built only for CPUs with AVX512_BF16
+    if hasattr(library, "linear_bf16"):  # built only for CPUs with AVX512_BF16, or AVX2 without AVX-512
         library.pack_linear_bf16.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
         library.pack_linear_bf16.restype = None
-        library.linear_bf16.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3
-        library.linear_bf16.restype = None
+    if hasattr(library, "linear_q4"):  # AVX2 without AVX-512 only
+        library.pack_linear_q4.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_void_p]
+        library.pack_linear_q4.restype = None
+    for kernel in ("linear_bf16", "linear_q4"):
+        if hasattr(library, kernel):
+            getattr(library, kernel).argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3
+            getattr(library, kernel).restype = ctypes.c_int
     return library
 
 
@@ -203,8 +211,8 @@ def layer_ops(dtype: torch.dtype, hidden_size: int, intermediate_size: int, head
 
 
 class PackedLinear:
-    """y = x @ weight.T + bias (+ residual) for bfloat16 x [..., in], on linear.c
-    with the weight packed once for it."""
+    """y = x @ weight.T + bias (+ residual) for bfloat16 x [..., in], on one of
+    linear.c's kernels with the weight packed once for it."""
 
     def __init__(self, function, packed: torch.Tensor, out_features: int, in_features: int,
                  bias: torch.Tensor | None):
@@ -225,25 +233,56 @@ class PackedLinear:
         out = torch.empty(shape, dtype=torch.bfloat16)
         if residual is not None:
             residual = residual.contiguous()
-        self._function(
+        status = self._function(
             x.data_ptr(), self._packed.data_ptr(), None if self._bias is None else self._bias.data_ptr(),
             None if residual is None else residual.data_ptr(), out.data_ptr(),
             x.numel() // self._in_features, self._out_features, self._in_features,
         )
+        if status != 0:
+            raise MemoryError("linear kernel: out of memory for its float32 rows")
         return out
+
+
+def bfloat16_linear_available() -> bool:
+    """Whether this CPU runs bfloat16 linears on linear.c (see packed_linear)."""
+    library = _library()
+    return library is not None and hasattr(library, "linear_bf16")
 
 
 def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> PackedLinear | None:
     """The bfloat16 linear kernel for `weight` [out, in], or None where there is
     none: not bfloat16, out not a multiple of 16 or in odd, or a CPU (or
-    compiler) without AVX512_BF16."""
+    compiler) with neither AVX512_BF16 nor AVX2 (without AVX-512)."""
     out_features, in_features = weight.shape
     if weight.dtype != torch.bfloat16 or out_features % _LANES or in_features % 2:
         return None
-    library = _library()
-    if library is None or not hasattr(library, "linear_bf16"):
+    if not bfloat16_linear_available():
         return None
+    library = _library()
     weight = weight.detach().contiguous()
     packed = torch.empty(out_features * in_features, dtype=torch.bfloat16)
     library.pack_linear_bf16(weight.data_ptr(), out_features, in_features, packed.data_ptr())
     return PackedLinear(library.linear_bf16, packed, out_features, in_features, bias)
+
+
+def q4_linear_available() -> bool:
+    """Whether this CPU runs exactly-4-bit weights on linear.c (AVX2 without AVX-512)."""
+    library = _library()
+    return library is not None and hasattr(library, "linear_q4")
+
+
+def packed_q4_linear(codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor,
+                     bias: torch.Tensor | None) -> PackedLinear | None:
+    """linear.c's 4-bit kernel for a weight of codes [out, in] (0..15) times
+    scale plus low per group of 32 inputs ([out, in / 32], int4.four_bit_codes),
+    or None where there is none (see q4_linear_available)."""
+    out_features, in_features = codes.shape
+    if not q4_linear_available() or out_features % 8 or in_features % 32:
+        return None
+    library = _library()
+    codes = codes.to(torch.uint8).contiguous()
+    scale, low = scale.float().contiguous(), low.float().contiguous()
+    packed = torch.empty(out_features * in_features // 32 * 160, dtype=torch.uint8)  # as linear.c lays it out
+    library.pack_linear_q4(codes.data_ptr(), scale.data_ptr(), low.data_ptr(), out_features, in_features,
+                           packed.data_ptr())
+    return PackedLinear(library.linear_q4, packed, out_features, in_features, bias)

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from services.worker import cpu_kernels
 from services.worker.backend import cpu_computes_bfloat16, select_backend
-from services.worker.int4 import int4_linear, pack_if_4bit
+from services.worker.int4 import four_bit_codes, int4_linear, pack_for_torch
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -24,12 +24,9 @@ def test_prepared_linear_matches_f_linear(dtype: torch.dtype, rows: int, with_bi
     torch.testing.assert_close(linear(x), F.linear(x, weight, bias), atol=tolerance * 10, rtol=tolerance)
 
 
-def _avx512_bf16() -> bool:
-    return "avx512_bf16" in cpu_kernels._cpu_flags().split()
-
-
-@pytest.mark.skipif(not _avx512_bf16(), reason="the bfloat16 linear kernel needs AVX512_BF16")
-@pytest.mark.parametrize("rows", [1, 7, 8, 9, 33])  # whole and partial 8-row tiles
+@pytest.mark.skipif(not cpu_kernels.bfloat16_linear_available(),
+                    reason="the bfloat16 linear kernel needs AVX512_BF16, or AVX2 without AVX-512")
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 8, 9, 33])  # whole and partial tiles of 6 (AVX2) or 8 rows
 @pytest.mark.parametrize("out_features", [16, 32, 48, 80])  # whole and partial 48-output strips
 def test_bfloat16_kernel_adds_bias_and_residual_and_rounds_once(rows: int, out_features: int):
     torch.manual_seed(rows * out_features)
@@ -72,9 +69,15 @@ def _four_bit_weight(out_features: int, in_features: int) -> torch.Tensor:
 
 def test_exactly_4bit_weights_are_recognised_and_nothing_else():
     torch.manual_seed(0)
-    assert pack_if_4bit(_four_bit_weight(64, 96).bfloat16()) is not None
-    assert pack_if_4bit(torch.randn(64, 96, dtype=torch.bfloat16)) is None  # a real bf16 weight
-    assert pack_if_4bit(_four_bit_weight(64, 96).bfloat16()[:, :72]) is None  # not whole groups
+    weight = _four_bit_weight(64, 96)
+    four_bit = four_bit_codes(weight.bfloat16())
+    assert four_bit is not None
+    codes, scale, low = four_bit
+    assert codes.dtype == torch.uint8 and int(codes.max()) == 15 and int(codes.min()) == 0
+    rebuilt = codes.float().view(64, 3, 32) * scale[..., None] + low[..., None]
+    torch.testing.assert_close(rebuilt.view(64, 96), weight, atol=2e-3, rtol=0)  # within bfloat16's rounding
+    assert four_bit_codes(torch.randn(64, 96, dtype=torch.bfloat16)) is None  # a real bf16 weight
+    assert four_bit_codes(_four_bit_weight(64, 96).bfloat16()[:, :72]) is None  # not whole groups
 
 
 @pytest.mark.parametrize("rows", [1, 4, 5, 8, 9, 40])  # int4 kernel up to 4 or 8 rows, the batched one above
@@ -88,13 +91,35 @@ def test_4bit_weights_give_the_same_products_on_either_kernel(rows: int):
     got = linear(x.bfloat16()).float()
     torch.testing.assert_close(got, expected, atol=0.05, rtol=0.02)
     # The int4 kernel itself, also where the backend does not pick it.
-    packed = pack_if_4bit(weight.bfloat16())
-    assert packed is not None
-    got = (int4_linear(x.bfloat16(), *packed) + bias.bfloat16()).float()
+    four_bit = four_bit_codes(weight.bfloat16())
+    assert four_bit is not None
+    got = (int4_linear(x.bfloat16(), *pack_for_torch(*four_bit, torch.bfloat16)) + bias.bfloat16()).float()
     torch.testing.assert_close(got, expected, atol=0.05, rtol=0.02)
 
 
-def test_auto_dtype_is_bfloat16_only_where_the_cpu_computes_it():
+@pytest.mark.skipif(not cpu_kernels.q4_linear_available(), reason="the 4-bit kernel is built for AVX2 CPUs only")
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9])  # whole and partial 4-row tiles
+@pytest.mark.parametrize("out_features", [8, 48, 56, 104])  # whole and partial 48-output strips
+def test_4bit_kernel_adds_bias_and_residual_and_rounds_once(rows: int, out_features: int):
+    torch.manual_seed(rows * out_features)
+    codes = torch.randint(0, 16, (out_features, 96), dtype=torch.uint8)
+    scale = torch.rand(out_features, 3) * 0.01 + 0.001
+    low = -scale * torch.rand(out_features, 3) * 15
+    bias, residual = torch.randn(out_features).bfloat16(), torch.randn(rows, out_features).bfloat16()
+    linear = cpu_kernels.packed_q4_linear(codes, scale, low, bias)
+    assert linear is not None
+    # The kernel keeps scale and low in float16.
+    scale, low = scale.half().float(), low.half().float()
+    weight = (codes.float().view(out_features, 3, 32) * scale[..., None] + low[..., None]).view(out_features, 96)
+    x = torch.randn(rows, 96).bfloat16()
+    exact = F.linear(x.float(), weight, bias.float())
+    torch.testing.assert_close(linear(x).float(), exact, atol=1e-2, rtol=2 ** -8)
+    torch.testing.assert_close(linear(x, residual).float(), exact + residual.float(), atol=1e-2, rtol=2 ** -8)
+    assert cpu_kernels.packed_q4_linear(codes[:, :80], scale, low, None) is None  # not whole groups
+
+
+def test_auto_dtype_is_bfloat16_only_where_the_cpu_runs_it_fast():
     cpu = select_backend("cpu")
-    assert cpu.resolve_dtype("auto") == ("bfloat16" if cpu_computes_bfloat16() else "float32")
+    native = cpu_computes_bfloat16() or cpu_kernels.bfloat16_linear_available()
+    assert cpu.resolve_dtype("auto") == ("bfloat16" if native else "float32")
     assert [cpu.resolve_dtype(name) for name in ("bfloat16", "float16", "float32")] == ["bfloat16", "float16", "float32"]

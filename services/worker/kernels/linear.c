@@ -271,8 +271,7 @@ INLINE f32x8 load8_bf16(const uint16_t *p) {
 }
 
 INLINE void store8_bf16(f32x8 v, uint16_t *p) {
-    const u32x8 bits = (u32x8)v;
-    const u16x8 half = __builtin_convertvector((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16, u16x8);
+    const u16x8 half = __builtin_convertvector(BF16_ROUND((u32x8)v), u16x8);
     memcpy(p, &half, sizeof half);
 }
 

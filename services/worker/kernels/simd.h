@@ -35,11 +35,12 @@ INLINE f32x16 load16(const void *base, int64_t index, int bf16) {
     return v;
 }
 
+/* float32 bits (a vector of them) rounded to the nearest even bfloat16, in the low 16 bits. */
+#define BF16_ROUND(bits) (((bits) + 0x7FFFu + (((bits) >> 16) & 1u)) >> 16)
+
 INLINE void store16(f32x16 v, void *base, int64_t index, int bf16) {
     if (bf16) {
-        const u32x16 bits = (u32x16)v;
-        const u32x16 rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16; /* to nearest even */
-        const u16x16 half = __builtin_convertvector(rounded, u16x16);
+        const u16x16 half = __builtin_convertvector(BF16_ROUND((u32x16)v), u16x16);
         memcpy((uint16_t *)base + index, &half, sizeof half);
     } else {
         memcpy((float *)base + index, &v, sizeof v);

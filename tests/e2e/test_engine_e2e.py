@@ -160,8 +160,8 @@ def test_a_dead_worker_fails_only_its_requests_and_rejoins_when_restarted(two_wo
         assert time.monotonic() < deadline, "worker1 did not rejoin"
         time.sleep(0.5)
     before = get_load().workers[1].num_sequences
-    # More at once than the router's prefix-affinity imbalance allows on worker0,
-    # whose cache holds the chat template's first tokens.
+    # Several at once: the less loaded worker takes each. worker0's cache holds the
+    # chat template's first tokens, too small a share of a prompt to draw them.
     questions = [f"{q} (again {i})" for i in range(2) for q in QUESTIONS]
     with ThreadPoolExecutor(len(questions)) as pool:
         replies = list(pool.map(lambda q: ask(client, [{"role": "user", "content": q}], max_tokens=32), questions))

@@ -159,6 +159,7 @@ class LeanDecoder:
         ops = self.ops
         num_q = self.num_heads * self.head_dim
         num_kv = self.num_kv_heads * self.head_dim
+        last_layer = len(self.layers) - 1
         for index, layer in enumerate(self.layers):
             qkv = layer.qkv(ops.rms_norm(x, layer.input_norm, self.eps))
             # Q and K heads side by side: one norm and one rotation for both.
@@ -168,8 +169,11 @@ class LeanDecoder:
             q, k = ops.rotate(qk, cos, sin).split((self.num_heads, self.num_kv_heads), dim=1)
             v = qkv[:, num_q + num_kv :].view(-1, self.num_kv_heads, self.head_dim)
             o = paged_attention(q, k, v, index, step, self.scaling, layer.sliding_window)
+            if index == last_layer:
+                # Its K/V are in the cache now, and only the rows that get logits
+                # read the rest: a prefill chunk skips the last o_proj and MLP.
+                o, x = o.index_select(0, logit_rows), x.index_select(0, logit_rows)
             x = layer.o_proj(o.view(-1, num_q), residual=x)
             h = ops.rms_norm(x, layer.post_attention_norm, self.eps)
             x = layer.down(ops.silu_mul(layer.gate_up(h)), residual=x)
-        last = ops.rms_norm(x.index_select(0, logit_rows), self.final_norm, self.eps)
-        return self.lm_head(last)
+        return self.lm_head(ops.rms_norm(x, self.final_norm, self.eps))

@@ -330,6 +330,72 @@ INLINE void score_keys(const f32x16 *qt, int64_t vectors, const float *block, in
     }
 }
 
+#if HAVE_ROW_DP
+/* Scores of `count` keys (bfloat16 rows of the cache, at element offsets
+ * `rows`) against query vectors [v0, v0 + nv) of a tile whose queries are
+ * stored as bfloat16 pairs (`qp`: [pairs][vectors], lane i of vector v holds
+ * query 16 v + i's elements 2 p and 2 p + 1). Each key's pair broadcast to
+ * every lane makes one vdpbf16ps per pair and vector: half the instructions of
+ * float32 FMAs, and no conversion of the keys. */
+INLINE void score_pairs(const __m512bh *qp, int64_t vectors, int64_t v0, int64_t nv, const uint16_t *key,
+                        const int64_t *rows, int64_t pairs, int64_t count, float scale, f32x16 *scores) {
+    __m512 a[count][nv];
+    for (int64_t k = 0; k < count; k++)
+        for (int64_t v = 0; v < nv; v++) a[k][v] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < pairs; p++) {
+        for (int64_t k = 0; k < count; k++) {
+            int32_t pair;
+            memcpy(&pair, key + rows[k] + 2 * p, sizeof pair);
+            const __m512bh kb = (__m512bh)_mm512_set1_epi32(pair);
+            for (int64_t v = 0; v < nv; v++) a[k][v] = _mm512_dpbf16_ps(a[k][v], qp[p * vectors + v0 + v], kb);
+        }
+    }
+    for (int64_t k = 0; k < count; k++)
+        for (int64_t v = 0; v < nv; v++) scores[k * vectors + v0 + v] = (f32x16)a[k][v] * scale;
+}
+
+INLINE void score_key_pairs(const __m512bh *qp, int64_t vectors, const uint16_t *key, const int64_t *rows,
+                            int64_t pairs, int64_t count, float scale, f32x16 *scores) {
+    int64_t v0 = 0;
+    for (; v0 + 4 <= vectors; v0 += 4) score_pairs(qp, vectors, v0, 4, key, rows, pairs, count, scale, scores);
+    switch (vectors - v0) {
+        case 3: score_pairs(qp, vectors, v0, 3, key, rows, pairs, count, scale, scores); break;
+        case 2: score_pairs(qp, vectors, v0, 2, key, rows, pairs, count, scale, scores); break;
+        case 1: score_pairs(qp, vectors, v0, 1, key, rows, pairs, count, scale, scores); break;
+    }
+}
+
+/* A tile's scores from a bfloat16 cache on vdpbf16ps: st[j][v] for keys
+ * [first, last] (see attend_tile). The queries are taken unscaled, as pairs,
+ * and the scale is applied to the sums. */
+INLINE void score_tile_dp(const uint16_t *q, const uint16_t *key, const int64_t *table, int64_t row0, int64_t pos0,
+                          int64_t first, int64_t last, int64_t h, int64_t num_heads, int64_t num_kv_heads,
+                          int64_t block_size, int64_t group, int64_t head_dim, int64_t queries, int64_t vectors,
+                          float scale, int32_t *qp, f32x16 *st) {
+    const int64_t pairs = head_dim / 2;
+    memset(qp, 0, sizeof(int32_t) * (size_t)(pairs * vectors * LANES));
+    for (int64_t i = 0; i < queries; i++) {
+        const int64_t index = ((row0 + i / group) * num_heads + h * group + i % group) * head_dim;
+        for (int64_t p = 0; p < pairs; p++)
+            memcpy(qp + (p * vectors + i / LANES) * LANES + i % LANES, q + index + 2 * p, sizeof(int32_t));
+    }
+    int64_t rows[KEY_BLOCK];
+    for (int64_t start = first; start <= last; start += KEY_BLOCK) {
+        const int64_t m = MIN(KEY_BLOCK, last + 1 - start);
+        for (int64_t j = 0, b = start / block_size, o = start % block_size; j < m; j++) {
+            rows[j] = ((table[b] * block_size + o) * num_kv_heads + h) * head_dim;
+            if (++o == block_size) o = 0, b++;
+        }
+        f32x16 *scores = st + (start - first) * vectors;
+        int64_t j = 0;
+        for (; j + 4 <= m; j += 4)
+            score_key_pairs((const __m512bh *)qp, vectors, key, rows + j, pairs, 4, scale, scores + j * vectors);
+        for (; j < m; j++)
+            score_key_pairs((const __m512bh *)qp, vectors, key, rows + j, pairs, 1, scale, scores + j * vectors);
+    }
+}
+#endif
+
 /* A prefill tile: `rows` query rows from packed row `row0` on, at positions
  * pos0, pos0 + 1, ..., times the `group` query heads of KV head h. The tile's
  * queries lie across vector lanes (query i in lane i % 16 of vector i / 16),
@@ -349,38 +415,49 @@ INLINE void attend_tile(const void *q, const void *key, const void *value, const
     float *weights = (float *)st;
     i32x16 lo[vectors], hi[vectors]; /* each query's keys, relative to first */
 
-    memset(qt, 0, sizeof(f32x16) * (size_t)(head_dim * vectors));
     for (int64_t i = 0; i < vectors * LANES; i++) {
         const int64_t r = i / group, row_hi = pos0 + r - first;
         lo[i / LANES][i % LANES] = i < queries ? (int32_t)(first_key(pos0 + r, window) - first) : 0;
         hi[i / LANES][i % LANES] = i < queries ? (int32_t)row_hi : 0; /* padding lanes: key 0 alone */
-        if (i >= queries) continue;
-        const int64_t index = ((row0 + r) * num_heads + h * group + i % group) * head_dim;
-        for (int64_t c = 0; c < chunks; c++) {
-            const f32x16 v = load16(q, index + c * LANES, bf16) * scale;
-            for (int64_t l = 0; l < LANES; l++) ((float *)qt)[((c * LANES + l) * vectors + i / LANES) * LANES + i % LANES] = v[l];
-        }
     }
-    /* Scores: st[j][v] = sum over d of qt[d][v] * key[j][d]. */
-    for (int64_t start = first; start <= last; start += KEY_BLOCK) {
-        const int64_t m = MIN(KEY_BLOCK, last + 1 - start);
-        load_keys(key, table, start, m, h, num_kv_heads, block_size, chunks, block, bf16);
-        f32x16 *scores = st + (start - first) * vectors;
-        int64_t j = 0;
-        for (; j + 4 <= m; j += 4) score_keys(qt, vectors, block, head_dim, j, 4, scores);
-        for (; j < m; j++) score_keys(qt, vectors, block, head_dim, j, 1, scores);
+#if HAVE_ROW_DP
+    if (bf16)
+        score_tile_dp(q, key, table, row0, pos0, first, last, h, num_heads, num_kv_heads, block_size, group, head_dim,
+                      queries, vectors, scale, (int32_t *)qt, st);
+    else
+#endif
+    {
+        memset(qt, 0, sizeof(f32x16) * (size_t)(head_dim * vectors));
+        for (int64_t i = 0; i < queries; i++) {
+            const int64_t index = ((row0 + i / group) * num_heads + h * group + i % group) * head_dim;
+            for (int64_t c = 0; c < chunks; c++) {
+                const f32x16 v = load16(q, index + c * LANES, bf16) * scale;
+                for (int64_t l = 0; l < LANES; l++)
+                    ((float *)qt)[((c * LANES + l) * vectors + i / LANES) * LANES + i % LANES] = v[l];
+            }
+        }
+        /* Scores: st[j][v] = sum over d of qt[d][v] * key[j][d]. */
+        for (int64_t start = first; start <= last; start += KEY_BLOCK) {
+            const int64_t m = MIN(KEY_BLOCK, last + 1 - start);
+            load_keys(key, table, start, m, h, num_kv_heads, block_size, chunks, block, bf16);
+            f32x16 *scores = st + (start - first) * vectors;
+            int64_t j = 0;
+            for (; j + 4 <= m; j += 4) score_keys(qt, vectors, block, head_dim, j, 4, scores);
+            for (; j < m; j++) score_keys(qt, vectors, block, head_dim, j, 1, scores);
+        }
     }
     /* Softmax over each query's own keys, 16 queries at a time; the rest weigh 0. */
     f32x16 inverse[vectors];
+    const f32x16 zero = {0}; /* (qt may hold bfloat16 pairs, not floats) */
     for (int64_t v = 0; v < vectors; v++) {
-        f32x16 top = qt[0] * 0.0f - 3.0e38f, total = qt[0] * 0.0f;
+        f32x16 top = zero - 3.0e38f, total = zero;
         for (int64_t j = 0; j < n; j++) {
             const i32x16 in = ((int32_t)j >= lo[v]) & ((int32_t)j <= hi[v]);
             top = select16(in & (st[j * vectors + v] > top), st[j * vectors + v], top);
         }
         for (int64_t j = 0; j < n; j++) {
             const i32x16 in = ((int32_t)j >= lo[v]) & ((int32_t)j <= hi[v]);
-            const f32x16 e = select16(in, exp16(st[j * vectors + v] - top), top * 0.0f);
+            const f32x16 e = select16(in, exp16(st[j * vectors + v] - top), zero);
             st[j * vectors + v] = e;
             total += e;
         }

@@ -177,6 +177,16 @@ typedef void (*row_dp_fn)(const uint16_t *q, const uint16_t *key, const uint16_t
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
+/* Element offsets in K and V of head h's rows for the sequence's keys
+ * [start, start + m), through its block table. */
+INLINE void key_rows(const int64_t *table, int64_t start, int64_t m, int64_t h, int64_t num_kv_heads,
+                     int64_t block_size, int64_t head_dim, int64_t *rows) {
+    for (int64_t i = 0, b = start / block_size, o = start % block_size; i < m; i++) {
+        rows[i] = ((table[b] * block_size + o) * num_kv_heads + h) * head_dim;
+        if (++o == block_size) o = 0, b++;
+    }
+}
+
 /* Both cache lines (or more) of one bfloat16 row of head_dim values, into L2. */
 INLINE void prefetch_row(const uint16_t *row, int64_t head_dim) {
     for (int64_t b = 0; b < head_dim * 2; b += 64) __builtin_prefetch((const char *)row + b, 0, 1);
@@ -234,10 +244,7 @@ INLINE void attend_row_dp(const uint16_t *q, const uint16_t *key, const uint16_t
     float *scores = scratch;                           /* [group][stride] */
     int64_t *rows = (int64_t *)(scores + group * stride); /* [stride]: each key's element offset in K and V */
 
-    for (int64_t i = 0, b = first / block_size, o = first % block_size; i < n; i++) {
-        rows[i] = ((table[b] * block_size + o) * num_kv_heads + h) * head_dim;
-        if (++o == block_size) o = 0, b++;
-    }
+    key_rows(table, first, n, h, num_kv_heads, block_size, head_dim, rows);
     for (int64_t i = n; i < stride; i++) rows[i] = rows[n - 1];
     for (int64_t j = 0; j < MIN(2 * LANES, n); j++) prefetch_row(key + rows[j], head_dim);
     for (int64_t j0 = 0; j0 < n; j0 += LANES) {
@@ -382,10 +389,7 @@ INLINE void score_tile_dp(const uint16_t *q, const uint16_t *key, const int64_t 
     int64_t rows[KEY_BLOCK];
     for (int64_t start = first; start <= last; start += KEY_BLOCK) {
         const int64_t m = MIN(KEY_BLOCK, last + 1 - start);
-        for (int64_t j = 0, b = start / block_size, o = start % block_size; j < m; j++) {
-            rows[j] = ((table[b] * block_size + o) * num_kv_heads + h) * head_dim;
-            if (++o == block_size) o = 0, b++;
-        }
+        key_rows(table, start, m, h, num_kv_heads, block_size, head_dim, rows);
         f32x16 *scores = st + (start - first) * vectors;
         int64_t j = 0;
         for (; j + 4 <= m; j += 4)

@@ -375,10 +375,10 @@ INLINE void score_key_pairs(const __m512bh *qp, int64_t vectors, const uint16_t 
 /* A tile's scores from a bfloat16 cache on vdpbf16ps: st[j][v] for keys
  * [first, last] (see attend_tile). The queries are taken unscaled, as pairs,
  * and the scale is applied to the sums. */
-INLINE void score_tile_dp(const uint16_t *q, const uint16_t *key, const int64_t *table, int64_t row0, int64_t pos0,
-                          int64_t first, int64_t last, int64_t h, int64_t num_heads, int64_t num_kv_heads,
-                          int64_t block_size, int64_t group, int64_t head_dim, int64_t queries, int64_t vectors,
-                          float scale, int32_t *qp, f32x16 *st) {
+INLINE void score_tile_dp(const uint16_t *q, const uint16_t *key, const int64_t *table, int64_t row0, int64_t first,
+                          int64_t last, int64_t h, int64_t num_heads, int64_t num_kv_heads, int64_t block_size,
+                          int64_t group, int64_t head_dim, int64_t queries, int64_t vectors, float scale, int32_t *qp,
+                          f32x16 *st) {
     const int64_t pairs = head_dim / 2;
     memset(qp, 0, sizeof(int32_t) * (size_t)(pairs * vectors * LANES));
     for (int64_t i = 0; i < queries; i++) {
@@ -426,7 +426,7 @@ INLINE void attend_tile(const void *q, const void *key, const void *value, const
     }
 #if HAVE_ROW_DP
     if (bf16)
-        score_tile_dp(q, key, table, row0, pos0, first, last, h, num_heads, num_kv_heads, block_size, group, head_dim,
+        score_tile_dp(q, key, table, row0, first, last, h, num_heads, num_kv_heads, block_size, group, head_dim,
                       queries, vectors, scale, (int32_t *)qt, st);
     else
 #endif

@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import AliasChoices, Field, Tag, field_validator, model_validator
 
+from services.common.template_kwargs import reserved_key
 from services.http_edge.validation import (
     LIST,
     OBJECT,
@@ -263,6 +264,9 @@ class ChatCompletionRequest(StrictModel):
     @field_validator("chat_template_kwargs")
     @classmethod
     def _template_kwargs(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
+        key = reserved_key(kwargs)
+        if key is not None:
+            raise request_rule(f"{key} is reserved and cannot be set by a request")
         thinking = kwargs.get("enable_thinking")
         if thinking is not None and not isinstance(thinking, bool):
             raise request_rule("enable_thinking must be a boolean")

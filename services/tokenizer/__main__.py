@@ -29,6 +29,8 @@ async def main() -> None:
     core = TokenizerCore(config, tokenizer, str(model_dir),
                          getattr(model_config, "max_position_embeddings", config.max_seq_len),
                          model_type=getattr(model_config, "model_type", "") or "")
+    # Render processes start before the service says it is serving, not on the first requests.
+    await asyncio.to_thread(core.prompts.warm_up)
     scheduler_channel = channel(config.scheduler_address)
     scheduler = SchedulerClient(scheduler_channel)
     service.add(chat_pb2_grpc.add_ChatServiceServicer_to_server, ChatServicer(core, scheduler),
@@ -36,8 +38,10 @@ async def main() -> None:
     service.add(tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server, TokenizerServicer(core),
                 tokenizer_pb2.DESCRIPTOR.services_by_name["TokenizerService"])
     await service.start()
-    log.info("model %s from %s; input limit %d tokens; tool format %s; reasoning %s", config.model_name,
-             model_dir, core.max_input_tokens, core.formats.tool_parser, core.formats.reasoning)
+    log.info("model %s from %s; input limit %d tokens (templates may write %d characters); tool format %s; "
+             "reasoning %s; request-supplied chat templates %s", config.model_name, model_dir,
+             core.max_input_tokens, core.prompts.max_chars, core.formats.tool_parser, core.formats.reasoning,
+             "trusted" if config.trust_request_chat_template else "refused")
 
     async def follow_scheduler() -> None:
         # Ready only while the scheduler behind us is: health checks see the whole chain.
@@ -55,6 +59,7 @@ async def main() -> None:
     follower.cancel()
     await scheduler.close()
     await scheduler_channel.close()
+    core.prompts.close()
 
 
 if __name__ == "__main__":

@@ -33,6 +33,15 @@ class TokenizerConfig:
         "directly now.\n</think>\n\n",
         "appended when a request's chat_template_kwargs.thinking_budget is spent; must end the think block",
         alias="early_stopping_text")
+    trust_request_chat_template: bool = setting(
+        False, "render a template a request sends in chat_template_kwargs.chat_template; off: refused with "
+        "422. Only for servers whose every client is trusted: a template is a program")
+    template_timeout_s: float = setting(
+        5.0, "seconds one chat-template render may run before it is stopped (the request gets 422), (0, 600]")
+    template_memory_mib: int = setting(
+        1024, "memory in MiB one render process may add to what it maps at start, [64, 65536]")
+    render_processes: int = setting(
+        2, "processes rendering the model's chat template, [1, 64]; request-supplied templates get one more")
 
     def __post_init__(self) -> None:
         require(0 < len(self.model_name) <= 256, "modelName must have 1-256 characters")
@@ -43,4 +52,7 @@ class TokenizerConfig:
         require(self.reasoning_parser in ("", "none", *REASONING_PARSERS),
                 f"reasoning_parser must be none or one of {', '.join(REASONING_PARSERS)}")
         require(1 <= self.max_input_token_len <= 4194304, "maxInputTokenLen must be in [1, 4194304]")
+        require(0 < self.template_timeout_s <= 600, "template_timeout_s must be in (0, 600]")
+        require(64 <= self.template_memory_mib <= 65536, "template_memory_mib must be in [64, 65536]")
+        require(1 <= self.render_processes <= 64, "render_processes must be in [1, 64]")
         require("</think>" in self.early_stopping_text, "early_stopping_text must contain </think>")

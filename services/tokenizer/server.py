@@ -1,7 +1,6 @@
 """ChatService (the public API) and TokenizerService wiring."""
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from functools import partial
@@ -16,7 +15,8 @@ from services.tokenizer.grammar import response_format_grammar
 from services.tokenizer.output import ChoiceOutput
 from services.tokenizer.parsers.reasoning import THINK_END
 from services.tokenizer.structs import struct_to_dict
-from services.tokenizer.template import render
+from services.tokenizer.prompt import PromptBuilder, too_long
+from services.tokenizer.template import RenderedPrompt
 from services.tokenizer.tool_grammar import tool_choice_grammar
 from stormserve.chat.v1 import chat_pb2, chat_pb2_grpc
 from stormserve.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
@@ -41,6 +41,7 @@ class TokenizerCore:
         encode = partial(tokenizer.encode, add_special_tokens=False)
         self.think_end_ids: list[int] = encode(THINK_END)
         self.early_stop_ids: list[int] = encode(config.early_stopping_text)
+        self.prompts = PromptBuilder(config, tokenizer, self.max_input_tokens)
 
     def thinking_budget(self, options: OutputOptions, kwargs: dict) -> scheduler_pb2.ThinkingBudget | None:
         """`chat_template_kwargs.thinking_budget` (validated at the edge) for a
@@ -55,11 +56,8 @@ class TokenizerCore:
         if model and model != self.config.model_name:
             raise ServiceError(grpc.StatusCode.NOT_FOUND, f"Model not found: {model}")
 
-    async def render(self, messages, tools, kwargs: dict, add_generation_prompt: bool = True):
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            None, partial(render, self.tokenizer, list(messages), list(tools), kwargs, add_generation_prompt)
-        )
+    async def render(self, messages, tools, kwargs: dict, add_generation_prompt: bool = True) -> RenderedPrompt:
+        return await self.prompts.render(messages, tools, kwargs, add_generation_prompt)
 
 
 def _check_beam_search(request: chat_pb2.ChatRequest) -> None:
@@ -143,13 +141,8 @@ class ChatServicer(chat_pb2_grpc.ChatServiceServicer):
         kwargs = struct_to_dict(request.chat_template_kwargs)
         tools = [] if request.tool_choice.mode == chat_pb2.TOOL_CHOICE_MODE_NONE else request.tools
         prompt = await self.core.render(request.messages, tools, kwargs)
-        limit = self.core.max_input_tokens
-        if len(prompt.token_ids) > limit:
-            raise ServiceError(
-                grpc.StatusCode.OUT_OF_RANGE,
-                "Failed to enqueue inferRequest. This model's maximum input ids length cannot be greater "
-                f"than {limit},the input ids length is {len(prompt.token_ids)}",
-            )
+        if len(prompt.token_ids) > self.core.max_input_tokens:
+            raise too_long(self.core.max_input_tokens, str(len(prompt.token_ids)))
         request_id = request.request_id or f"chatcmpl-{uuid.uuid4().hex}"
         options = output_options(self.core.formats, bool(request.tools), kwargs, prompt.text)
         # A forced tool call, else response_format (the two together are refused).

@@ -1,12 +1,13 @@
-"""Render a conversation with the model's own chat template and tokenize it."""
+"""A conversation as the chat template sees it: the messages and tools as
+dicts, checked template kwargs, and the jobs render_worker.py renders."""
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 from services.common.errors import invalid_argument
+from services.common.template_kwargs import REQUEST_TEMPLATE_KEY, reserved_key
 from services.tokenizer.structs import struct_to_dict
 from stormserve.chat.v1 import chat_pb2
 
@@ -75,28 +76,45 @@ def tool_to_dict(tool: chat_pb2.Tool) -> dict[str, Any]:
     return {"type": tool.type or "function", "function": function}
 
 
-def render(tokenizer, messages: list[chat_pb2.ChatMessage], tools: list[chat_pb2.Tool],
-           template_kwargs: dict[str, Any], add_generation_prompt: bool = True) -> RenderedPrompt:
-    """Apply the template; a final assistant message with `prefix: true` is continued, not closed."""
+def reject_unsafe_kwargs(template_kwargs: dict[str, Any], allow_request_template: bool) -> None:
+    """Keys a client may not send: the renderer's own, and a template of its
+    own unless the operator trusts request templates."""
+    key = reserved_key(template_kwargs)
+    if key is not None:
+        raise invalid_argument(f"chat_template_kwargs.{key} is reserved and cannot be set by a request")
+    if REQUEST_TEMPLATE_KEY in template_kwargs:
+        if not allow_request_template:
+            raise invalid_argument(
+                "chat_template_kwargs.chat_template: request-supplied chat templates are disabled on this "
+                "server (the operator enables them with TRUST_REQUEST_CHAT_TEMPLATE)")
+        if not isinstance(template_kwargs[REQUEST_TEMPLATE_KEY], str):
+            raise invalid_argument("chat_template_kwargs.chat_template must be a string")
+
+
+def render_jobs(tokenizer, messages: list[chat_pb2.ChatMessage], tools: list[chat_pb2.Tool],
+                template_kwargs: dict[str, Any], add_generation_prompt: bool, max_chars: int) -> list[dict[str, Any]]:
+    """The render_worker job(s) for a conversation, best first: prior calls'
+    arguments as objects, then (only if that fails with a TypeError, as a
+    template that concatenates them as text (DeepSeek) does) as sent.
+    A final assistant message with `prefix: true` is continued, not closed."""
     if not messages:
         raise invalid_argument("messages must not be empty")
     conversation = [message_to_dict(m) for m in messages]
     last = messages[-1]
     continue_final = last.role == "assistant" and last.HasField("prefix") and last.prefix
-    apply = partial(tokenizer.apply_chat_template, tools=[tool_to_dict(t) for t in tools] or None,
-                    tokenize=False, add_generation_prompt=add_generation_prompt and not continue_final,
-                    continue_final_message=continue_final, **template_kwargs)
+    kwargs = dict(template_kwargs)
+    request_template = kwargs.pop(REQUEST_TEMPLATE_KEY, None)
+    tool_dicts = [tool_to_dict(t) for t in tools] or None
     try:
-        # Prior calls' arguments as objects first; a template that
-        # concatenates them as text (DeepSeek) fails on that and gets the text.
-        as_object = _arguments_as_object(conversation)
-        try:
-            text = apply(as_object or conversation)
-        except TypeError:
-            if as_object is None:
-                raise
-            text = apply(conversation)
-    except Exception as exc:  # noqa: BLE001 - template errors are the caller's input problem
+        template = tokenizer.get_chat_template(request_template, tool_dicts)
+    except ValueError as exc:  # the model has no template
         raise invalid_argument(f"chat template failed: {exc}") from exc
-    token_ids = tokenizer.encode(text, add_special_tokens=False)
-    return RenderedPrompt(text=text, token_ids=token_ids)
+    job = {
+        "template": template, "tools": tool_dicts,
+        # As apply_chat_template: the request's kwargs override the special tokens.
+        "template_vars": {**tokenizer.special_tokens_map, **kwargs},
+        "add_generation_prompt": add_generation_prompt and not continue_final,
+        "continue_final_message": continue_final, "max_chars": max_chars,
+    }
+    as_object = _arguments_as_object(conversation)
+    return [{**job, "messages": c} for c in (as_object, conversation) if c is not None]

@@ -143,18 +143,38 @@ class _End:
 
 
 class MultiplexedCall:
-    """One call on a multiplexed stream, read like grpc.aio's UnaryStreamCall."""
+    """One call on a multiplexed stream, read like grpc.aio's UnaryStreamCall.
 
-    def __init__(self, cancel: Callable[[], None], timeout_s: float | None):
+    The stream is read eagerly for every call on it, so a call whose reader
+    stops reading would hold everything it is sent. With `max_buffered_bytes`,
+    a call that has more than that unread (serialized size) is cancelled, its
+    messages dropped, and its reader gets RESOURCE_EXHAUSTED."""
+
+    def __init__(self, cancel: Callable[[], None], timeout_s: float | None,
+                 max_buffered_bytes: int | None = None):
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
         self._cancel = cancel
         self._end: _End | None = None
         self._timer = None
+        self._max_buffered_bytes = max_buffered_bytes
+        self._buffered_bytes = 0
         if timeout_s is not None:
             self._timer = asyncio.get_running_loop().call_later(timeout_s, self._expire)
 
     def _deliver(self, item: Any) -> None:
+        if self._max_buffered_bytes is not None:
+            self._buffered_bytes += item.ByteSize()
+            if self._buffered_bytes > self._max_buffered_bytes:
+                self._overflow()
+                return
         self._queue.put_nowait(item)
+
+    def _overflow(self) -> None:
+        while not self._queue.empty():  # what the reader has not taken is dropped, not kept
+            self._queue.get_nowait()
+        self._buffered_bytes = 0
+        self._stop(_error(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"the reader fell more than {self._max_buffered_bytes} bytes behind"))
 
     def _finish(self, error: grpc.aio.AioRpcError | None) -> None:
         """The server ended the call; it reads as ended after the messages before."""
@@ -187,6 +207,8 @@ class MultiplexedCall:
         if self._end is None:
             item = await self._queue.get()
             if not isinstance(item, _End):
+                if self._max_buffered_bytes is not None:
+                    self._buffered_bytes -= item.ByteSize()
                 return item
             if self._end is None:
                 self._end = item
@@ -227,8 +249,10 @@ class CallMultiplexer:
         self._stream: _Stream | None = None
         self._ids = itertools.count(1)
 
-    def start(self, request: Any, timeout_s: float | None = None) -> MultiplexedCall:
-        """Start a call; a `timeout_s` deadline cancels it and reads DEADLINE_EXCEEDED."""
+    def start(self, request: Any, timeout_s: float | None = None,
+              max_buffered_bytes: int | None = None) -> MultiplexedCall:
+        """Start a call; a `timeout_s` deadline cancels it and reads DEADLINE_EXCEEDED,
+        more than `max_buffered_bytes` unread cancels it and reads RESOURCE_EXHAUSTED."""
         stream = self._stream
         if stream is None:
             stream = self._stream = _Stream(self._open_stream)
@@ -239,7 +263,7 @@ class CallMultiplexer:
             if stream.calls.pop(call_id, None) is not None:
                 stream.outgoing.put_nowait(self._request_type(call_id=call_id, cancel=True))
 
-        call = MultiplexedCall(cancel, timeout_s)
+        call = MultiplexedCall(cancel, timeout_s, max_buffered_bytes)
         stream.calls[call_id] = call
         stream.outgoing.put_nowait(self._request_type(call_id=call_id, start=request))
         return call

@@ -45,11 +45,12 @@ class ChatBackend:
             self._models_lock = asyncio.Lock()
         return self._stub
 
-    def chat(self, request: chat_pb2.ChatRequest, timeout_s: float | None) -> MultiplexedCall:
+    def chat(self, request: chat_pb2.ChatRequest, timeout_s: float | None,
+             max_buffered_bytes: int | None = None) -> MultiplexedCall:
         """Start a Chat call; the caller reads the chunks and cancels on disconnect."""
         self._chat_stub()
         assert self._calls is not None
-        return self._calls.start(request, timeout_s)
+        return self._calls.start(request, timeout_s, max_buffered_bytes)
 
     async def list_models(self) -> list[chat_pb2.Model]:
         """The served models, at most `models_cache_s` old. Raises AioRpcError."""

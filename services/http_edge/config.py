@@ -30,6 +30,12 @@ class EdgeConfig:
     models_cache_s: float = setting(
         5.0, "how long a ListModels answer is reused for /v1/models and model checks, >= 0"
     )
+    stream_buffer_kib: int = setting(
+        256, "most of a stream's reply (serialized KiB) the edge holds for a client that reads slower than "
+        "it is generated, [16, 65536]; past it the request is cancelled")
+    stream_stall_timeout_s: float = setting(
+        30.0, "seconds a streaming client may accept no data while its reply waits before the request is "
+        "cancelled and the connection closed, (0, 3600]")
     shutdown_grace_s: float = setting(
         5.0, "seconds open requests may finish after SIGTERM before they are cut, >= 0"
     )
@@ -59,6 +65,10 @@ class EdgeConfig:
             f"request_timeout_s (e2eTimeout) must be in (0, {MAX_E2E_TIMEOUT_S}], "
             f"got {self.request_timeout_s}",
         )
+        require(16 <= self.stream_buffer_kib <= 65536,
+                f"stream_buffer_kib must be in [16, 65536], got {self.stream_buffer_kib}")
+        require(0 < self.stream_stall_timeout_s <= 3600,
+                f"stream_stall_timeout_s must be in (0, 3600], got {self.stream_stall_timeout_s}")
         require(self.models_cache_s >= 0, f"models_cache_s must be >= 0, got {self.models_cache_s}")
         require(
             self.shutdown_grace_s >= 0, f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}"

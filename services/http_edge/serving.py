@@ -187,7 +187,9 @@ class ChatCompletions:
             include_logprobs=chat.wants_logprobs,
             null_usage=chat.stream and chat.include_usage is True,
         )
-        call = self.backend.chat(grpc_request, deadline.remaining_s())
+        # A stream is read as fast as the client takes it: bound what waits for a slow reader.
+        buffer_bytes = self.config.stream_buffer_kib * 1024 if chat.stream else None
+        call = self.backend.chat(grpc_request, deadline.remaining_s(), buffer_bytes)
         handed_off = False
         try:
             if chat.stream:
@@ -195,7 +197,9 @@ class ChatCompletions:
                 if first is not None and first.HasField("error"):
                     raise _chunk_error(first)
                 handed_off = True
-                return EventStreamResponse(self._events(call, first, ctx, deadline), on_close=call.cancel)
+                return EventStreamResponse(self._events(call, first, ctx, deadline), on_close=call.cancel,
+                                           stall_timeout_s=self.config.stream_stall_timeout_s,
+                                           name=ctx.request_id)
             builder = CompletionBuilder(ctx)
             await unless_disconnected(request.receive, self._collect(call, builder))
             return JSONResponse(builder.result())

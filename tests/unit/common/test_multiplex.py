@@ -238,3 +238,25 @@ def test_a_failing_request_stream_ends_the_response_stream() -> None:
             await asyncio.wait_for(responses.__anext__(), timeout=5)
 
     asyncio.run(scenario())
+
+
+def test_a_call_whose_reader_falls_behind_is_cancelled_and_its_buffer_dropped() -> None:
+    async def endless(request):
+        for i in range(10_000):
+            yield reply(f"{request.request_id}.{i:05d}")
+            await asyncio.sleep(0)
+
+    async def scenario() -> None:
+        async with served(endless) as (service, calls, _):
+            stalled = calls.start(ask("stalled"), max_buffered_bytes=32768)
+            keeping_up = calls.start(ask("keeping-up"), max_buffered_bytes=32768)
+            read = await read_all(keeping_up)  # reads as fast as it is sent: never past the bound
+            assert len(read) == 10_000
+            await eventually(lambda: "stalled" in service.cancelled)
+            assert service.cancelled == ["stalled"]
+            assert stalled._queue.qsize() <= 1  # only the end marker: the unread messages are gone
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await stalled.read()
+            assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    asyncio.run(scenario())

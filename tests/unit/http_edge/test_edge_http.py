@@ -69,7 +69,8 @@ class ScriptedBackend(ChatBackend):
             raise self.models_error
         return [chat_pb2.Model(id="m", root="/w", created=1, owned_by="stormserve", max_model_len=64)]
 
-    def chat(self, request: chat_pb2.ChatRequest, timeout_s: float | None) -> FakeCall:  # type: ignore[override]
+    def chat(self, request: chat_pb2.ChatRequest, timeout_s: float | None,  # type: ignore[override]
+             max_buffered_bytes: int | None = None) -> FakeCall:
         call = FakeCall(self.script)
         self.calls.append((request, call))
         return call

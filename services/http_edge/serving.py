@@ -13,6 +13,7 @@ code 802 (HTTP 500, or a final frame once the stream has started).
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -37,6 +38,7 @@ from services.http_edge.errors import (
     from_chat_error,
     from_rpc_error,
     invalid_input,
+    read_timeout,
     request_timeout,
 )
 from services.http_edge.protocol import ChatCompletionRequest
@@ -56,17 +58,24 @@ DEADLINE_SLACK_S = 0.05
 CLIENT_CLOSED = 499  # nobody reads it; the status only shows up in access logs
 
 
-async def read_body(request: Request, limit_bytes: int, limit_mib: int) -> bytes:
-    """The raw body, refused with 413 as soon as it is known to exceed the limit."""
+async def read_body(request: Request, limit_bytes: int, limit_mib: int, timeout_s: float) -> bytes:
+    """The raw body, refused with 413 as soon as it is known to exceed the limit,
+    and with 408 when it has not fully arrived `timeout_s` after reading began:
+    a client that declares a body and stalls would otherwise hold the request
+    (and its connection) until the e2e timeout, or for ever when that is off."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit_bytes:
         raise body_too_large(limit_mib)
     pieces, size = [], 0
-    async for piece in request.stream():
-        size += len(piece)
-        if size > limit_bytes:
-            raise body_too_large(limit_mib)
-        pieces.append(piece)
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for piece in request.stream():
+                size += len(piece)
+                if size > limit_bytes:
+                    raise body_too_large(limit_mib)
+                pieces.append(piece)
+    except TimeoutError:
+        raise read_timeout("body", timeout_s) from None
     return b"".join(pieces)
 
 
@@ -174,7 +183,8 @@ class ChatCompletions:
         arrival_us = now_us()
         deadline = Deadline(self.config.request_timeout_s)
         try:
-            body = await read_body(request, self.config.max_request_bytes, self.config.max_request_mib)
+            body = await read_body(request, self.config.max_request_bytes, self.config.max_request_mib,
+                                   self.config.body_timeout_s)
         except ClientDisconnect:
             return Response(status_code=CLIENT_CLOSED)
         chat = parse_chat_request(body)

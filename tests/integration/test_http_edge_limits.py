@@ -216,6 +216,16 @@ def test_a_stalled_head_after_a_kept_alive_request_is_408() -> None:
     run(scenario)
 
 
+def test_a_stalled_body_is_408_and_closed() -> None:
+    async def scenario(port: int) -> None:
+        head = post(b"application/json", body=b"x" * 100)[:-100]  # declares 100 bytes
+        reply = await exchange(port, head + JSON_BODY[:10])
+        assert_error(reply, 408, "Request Timeout")
+        assert reply.json()["message"] == "Request body not received within 1 s"
+
+    run(scenario)
+
+
 async def slow_final(request: chat_pb2.ChatRequest) -> AsyncIterator[chat_pb2.ChatChunk]:
     yield delta_chunk(request, "Hello")
     await asyncio.sleep(1.5)

@@ -1,7 +1,8 @@
 """`POST /v1/chat/completions`: read and validate the body, check the model,
 start a Chat call (on the backend's ChatStream), and answer with one JSON object or an SSE stream.
 
-Check order follows the reference: body size -> JSON parse -> fields -> model.
+Check order follows the reference: body size -> JSON parse -> fields -> model,
+after a Content-Type check (415) that runs before any byte of the body is read.
 A gRPC error before the first chunk becomes an HTTP error (also when
 `stream` is true); after the stream started it becomes a final `data:` frame
 holding the error body and a `finish_reason`, then `data: [DONE]`.
@@ -40,6 +41,7 @@ from services.http_edge.errors import (
     invalid_input,
     read_timeout,
     request_timeout,
+    unsupported_media_type,
 )
 from services.http_edge.protocol import ChatCompletionRequest
 from services.http_edge.render import CompletionBuilder, ReplyContext, chunk_json, finish_reason
@@ -77,6 +79,16 @@ async def read_body(request: Request, limit_bytes: int, limit_mib: int, timeout_
     except TimeoutError:
         raise read_timeout("body", timeout_s) from None
     return b"".join(pieces)
+
+
+def require_json(request: Request) -> None:
+    """415 unless the body is declared `application/json` (any parameters, any
+    case). A browser page may POST a type-less Blob, text/plain or a form to any
+    origin without a CORS preflight; requiring the JSON type closes that door."""
+    content_type = request.headers.get("content-type")
+    media_type = (content_type or "").partition(";")[0].strip().lower()
+    if media_type != "application/json":
+        raise unsupported_media_type(content_type)
 
 
 def _reject_constant(name: str) -> Any:
@@ -182,6 +194,7 @@ class ChatCompletions:
     async def __call__(self, request: Request) -> Response:
         arrival_us = now_us()
         deadline = Deadline(self.config.request_timeout_s)
+        require_json(request)
         try:
             body = await read_body(request, self.config.max_request_bytes, self.config.max_request_mib,
                                    self.config.body_timeout_s)

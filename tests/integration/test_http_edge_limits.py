@@ -259,3 +259,40 @@ def test_malformed_http_is_400_with_the_merged_body(garbage: bytes) -> None:
         assert reply.json()["message"].startswith("Invalid HTTP request: ")
 
     run(scenario)
+
+
+# -- Content-Type --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("content_type", [
+    b"text/plain", b"application/x-www-form-urlencoded", b"multipart/form-data; boundary=x", b"", None,
+])
+def test_a_chat_post_that_is_not_json_is_415(content_type: bytes | None) -> None:
+    async def scenario(port: int) -> None:
+        reply = await exchange(port, post(content_type))
+        assert reply.status == 415
+        assert reply.json() == error_body(reply.json()["message"], "Unsupported Media Type", 415)
+        assert reply.json()["message"].startswith("Content-Type must be application/json")
+
+    run(scenario)
+
+
+@pytest.mark.parametrize("content_type", [
+    b"application/json", b"application/json; charset=utf-8", b"Application/JSON;Charset=UTF-8",
+])
+def test_a_json_chat_post_is_served(content_type: bytes) -> None:
+    async def scenario(port: int) -> None:
+        reply = await exchange(port, post(content_type))
+        assert reply.status == 200, reply
+        assert reply.json()["choices"][0]["message"]["content"] == "Hello there"
+
+    run(scenario)
+
+
+def test_the_api_key_check_comes_before_the_content_type() -> None:
+    async def scenario(port: int) -> None:
+        assert (await exchange(port, post(b"text/plain"))).status == 401
+        keyed = post(b"text/plain", extra=b"Authorization: Bearer sk-1\r\n")
+        assert (await exchange(port, keyed)).status == 415
+
+    run(scenario, api_keys=("sk-1",))

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -17,7 +16,15 @@ from stormserve.chat.v1 import chat_pb2
 
 from services.http_edge.config import EdgeConfig
 from services.http_edge.server import build_server
-from tests.integration.test_http_edge import BODY, backend, delta_chunk, error_body, final_chunk, hello
+from tests.integration.test_http_edge import (
+    BODY,
+    backend,
+    delta_chunk,
+    error_body,
+    final_chunk,
+    hello,
+    serving,
+)
 
 LIMITS = {"max_header_kib": 4, "max_headers": 20, "header_timeout_s": 1.0, "body_timeout_s": 1.0}
 JSON_BODY = json.dumps(BODY).encode()
@@ -38,19 +45,8 @@ async def real_edge(chat_port: int, **config: Any) -> AsyncIterator[int]:
     """build_server's uvicorn on a free port; yields the port."""
     server = build_server(EdgeConfig(tokenizer_address=f"127.0.0.1:{chat_port}", shutdown_grace_s=1,
                                      **{**LIMITS, **config}))
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert not task.done() and time.monotonic() < deadline, "uvicorn did not start"
-        await asyncio.sleep(0.01)
-    try:
-        yield sock.getsockname()[1]
-    finally:
-        server.should_exit = True
-        await task
-        sock.close()
+    async with serving(server) as port:
+        yield port
 
 
 def run(scenario: Callable[[int], Awaitable[None]], script=hello, **config: Any) -> None:

@@ -18,6 +18,7 @@ from services.http_edge.config import EdgeConfig
 from services.http_edge.server import build_server
 from tests.integration.test_http_edge import (
     BODY,
+    Script,
     backend,
     delta_chunk,
     error_body,
@@ -49,7 +50,7 @@ async def real_edge(chat_port: int, **config: Any) -> AsyncIterator[int]:
         yield port
 
 
-def run(scenario: Callable[[int], Awaitable[None]], script=hello, **config: Any) -> None:
+def run(scenario: Callable[[int], Awaitable[None]], script: Script = hello, **config: Any) -> None:
     """`scenario(port)` against a live edge, on uvloop as in production."""
     async def main() -> None:
         async with backend(script) as chat, real_edge(chat.port, **config) as port:
@@ -69,12 +70,11 @@ def parse(raw: bytes) -> Reply:
     return Reply(int(status_line.split()[1]), headers, body)
 
 
-async def send(port: int, *pieces: bytes, pause_s: float = 0.0) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+async def send(port: int, *pieces: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     for piece in pieces:
         writer.write(piece)
         await writer.drain()
-        await asyncio.sleep(pause_s)
     return reader, writer
 
 

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from services.common.config import require, setting
 
 MAX_E2E_TIMEOUT_S = 65535  # MindIE's e2eTimeout range is [1, 65535] s
+MAX_HEADER_KIB = 1024  # a head above 1 MiB is no API request; also bounds what a client makes us buffer
+MAX_HEADERS = 10_000
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,21 @@ class EdgeConfig:
         "cancelled and the connection closed, (0, 3600]")
     shutdown_grace_s: float = setting(
         5.0, "seconds open requests may finish after SIGTERM before they are cut, >= 0"
+    )
+    max_header_kib: int = setting(
+        32, f"largest request head (request line and header fields) in KiB, [1, {MAX_HEADER_KIB}]; "
+        "larger gets 431"
+    )
+    max_headers: int = setting(
+        100, f"most header fields in one request, [1, {MAX_HEADERS}]; more gets 431"
+    )
+    header_timeout_s: float = setting(
+        10.0, "seconds a request head may take to arrive, from connection open or its first "
+        f"byte, (0, {MAX_E2E_TIMEOUT_S}]; past it 408 and the connection is closed"
+    )
+    body_timeout_s: float = setting(
+        30.0, f"seconds a chat request body may take to arrive, (0, {MAX_E2E_TIMEOUT_S}]; "
+        "past it 408 and the connection is closed"
     )
     # Not `setting(...)`: that helper cannot hide a field from repr, and keys must
     # never reach a log line or a traceback. Same help/alias metadata otherwise.
@@ -74,6 +91,20 @@ class EdgeConfig:
             self.shutdown_grace_s >= 0, f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}"
         )
         require(
+            1 <= self.max_header_kib <= MAX_HEADER_KIB,
+            f"max_header_kib must be in [1, {MAX_HEADER_KIB}], got {self.max_header_kib}",
+        )
+        require(
+            1 <= self.max_headers <= MAX_HEADERS,
+            f"max_headers must be in [1, {MAX_HEADERS}], got {self.max_headers}",
+        )
+        for name in ("header_timeout_s", "body_timeout_s"):
+            value = getattr(self, name)
+            require(
+                0 < value <= MAX_E2E_TIMEOUT_S,
+                f"{name} must be in (0, {MAX_E2E_TIMEOUT_S}], got {value}",
+            )
+        require(
             all(k and not any(c.isspace() for c in k) for k in self.api_keys),
             "api_keys must be non-empty and hold no whitespace",
         )
@@ -81,3 +112,7 @@ class EdgeConfig:
     @property
     def max_request_bytes(self) -> int:
         return self.max_request_mib * 1024 * 1024
+
+    @property
+    def max_header_bytes(self) -> int:
+        return self.max_header_kib * 1024

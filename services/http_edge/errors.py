@@ -20,6 +20,13 @@ otherwise (422 validation, 413 body size, 503 unavailable, 404 route).
 | bearer token matches no key               | 401  | Unauthorized           | 801  |
 | gRPC UNAUTHENTICATED / PERMISSION_DENIED  | 401  | Unauthorized           | 801 / 702 |
 | any other gRPC status or edge failure     | 500  | Incomplete Generation  | 9999 |
+| chat POST whose Content-Type is not JSON  | 415  | Unsupported Media Type | 415  |
+| malformed HTTP (request line, framing)    | 400  | Bad Request            | 400  |
+| head above max_header_kib / max_headers   | 431  | Request Header Fields Too Large | 431 |
+| head or body slower than its read timeout | 408  | Request Timeout        | 408  |
+
+400, 431 and the head's 408 are answered by the HTTP protocol itself
+(http_protocol.py), the body's 408 by `read_body`; all four close the connection.
 """
 from __future__ import annotations
 
@@ -80,6 +87,26 @@ def invalid_input(message: str) -> EdgeError:
 def body_too_large(limit_mib: int) -> EdgeError:
     message = f"Request body too large. Maximum allowed size is {limit_mib}MB."
     return EdgeError(413, "Payload Too Large", message)
+
+
+def bad_http(reason: str) -> EdgeError:
+    return EdgeError(400, "Bad Request", f"Invalid HTTP request: {reason}")
+
+
+def head_too_large(message: str) -> EdgeError:
+    return EdgeError(431, "Request Header Fields Too Large", message)
+
+
+def read_timeout(part: str, timeout_s: float) -> EdgeError:
+    """The request `part` ("head", "body") did not arrive in time; the connection
+    cannot be reused (the rest of the request may still come), so it is closed."""
+    message = f"Request {part} not received within {timeout_s:g} s"
+    return EdgeError(408, "Request Timeout", message, headers={"Connection": "close"})
+
+
+def unsupported_media_type(content_type: str | None) -> EdgeError:
+    sent = f"got {content_type!r}" if content_type is not None else "none was sent"
+    return EdgeError(415, "Unsupported Media Type", f"Content-Type must be application/json, {sent}")
 
 
 def unavailable(message: str) -> EdgeError:

@@ -1,7 +1,8 @@
 """`POST /v1/chat/completions`: read and validate the body, check the model,
 start a Chat call (on the backend's ChatStream), and answer with one JSON object or an SSE stream.
 
-Check order follows the reference: body size -> JSON parse -> fields -> model.
+Check order follows the reference: body size -> JSON parse -> fields -> model,
+after a Content-Type check (415) that runs before any byte of the body is read.
 A gRPC error before the first chunk becomes an HTTP error (also when
 `stream` is true); after the stream started it becomes a final `data:` frame
 holding the error body and a `finish_reason`, then `data: [DONE]`.
@@ -13,6 +14,7 @@ code 802 (HTTP 500, or a final frame once the stream has started).
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -37,7 +39,9 @@ from services.http_edge.errors import (
     from_chat_error,
     from_rpc_error,
     invalid_input,
+    read_timeout,
     request_timeout,
+    unsupported_media_type,
 )
 from services.http_edge.protocol import ChatCompletionRequest
 from services.http_edge.render import CompletionBuilder, ReplyContext, chunk_json, finish_reason
@@ -56,18 +60,35 @@ DEADLINE_SLACK_S = 0.05
 CLIENT_CLOSED = 499  # nobody reads it; the status only shows up in access logs
 
 
-async def read_body(request: Request, limit_bytes: int, limit_mib: int) -> bytes:
-    """The raw body, refused with 413 as soon as it is known to exceed the limit."""
+async def read_body(request: Request, limit_bytes: int, limit_mib: int, timeout_s: float) -> bytes:
+    """The raw body, refused with 413 as soon as it is known to exceed the limit,
+    and with 408 when it has not fully arrived `timeout_s` after reading began:
+    a client that declares a body and stalls would otherwise hold the request
+    (and its connection) until the e2e timeout, or for ever when that is off."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit_bytes:
         raise body_too_large(limit_mib)
     pieces, size = [], 0
-    async for piece in request.stream():
-        size += len(piece)
-        if size > limit_bytes:
-            raise body_too_large(limit_mib)
-        pieces.append(piece)
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for piece in request.stream():
+                size += len(piece)
+                if size > limit_bytes:
+                    raise body_too_large(limit_mib)
+                pieces.append(piece)
+    except TimeoutError:
+        raise read_timeout("body", timeout_s) from None
     return b"".join(pieces)
+
+
+def require_json(request: Request) -> None:
+    """415 unless the body is declared `application/json` (any parameters, any
+    case). A browser page may POST a type-less Blob, text/plain or a form to any
+    origin without a CORS preflight; requiring the JSON type closes that door."""
+    content_type = request.headers.get("content-type")
+    media_type = (content_type or "").partition(";")[0].strip().lower()
+    if media_type != "application/json":
+        raise unsupported_media_type(content_type)
 
 
 def _reject_constant(name: str) -> Any:
@@ -173,8 +194,10 @@ class ChatCompletions:
     async def __call__(self, request: Request) -> Response:
         arrival_us = now_us()
         deadline = Deadline(self.config.request_timeout_s)
+        require_json(request)
         try:
-            body = await read_body(request, self.config.max_request_bytes, self.config.max_request_mib)
+            body = await read_body(request, self.config.max_request_bytes, self.config.max_request_mib,
+                                   self.config.body_timeout_s)
         except ClientDisconnect:
             return Response(status_code=CLIENT_CLOSED)
         chat = parse_chat_request(body)

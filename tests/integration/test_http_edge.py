@@ -134,23 +134,30 @@ async def edge_client(port: int, **config: Any) -> AsyncIterator[httpx.AsyncClie
 
 
 @asynccontextmanager
-async def live_edge(port: int, **config: Any) -> AsyncIterator[str]:
-    """The app under uvicorn on a free local port, for streaming and disconnects."""
+async def serving(server: uvicorn.Server) -> AsyncIterator[int]:
+    """`server` on a free local port; yields the port."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(edge_app(port, **config), lifespan="on", log_config=None,
-                                           timeout_graceful_shutdown=1))
     task = asyncio.create_task(server.serve(sockets=[sock]))
     deadline = time.monotonic() + 10
     while not server.started:
         assert not task.done() and time.monotonic() < deadline, "uvicorn did not start"
         await asyncio.sleep(0.01)
     try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+        yield sock.getsockname()[1]
     finally:
         server.should_exit = True
         await task
         sock.close()
+
+
+@asynccontextmanager
+async def live_edge(port: int, **config: Any) -> AsyncIterator[str]:
+    """The app under uvicorn on a free local port, for streaming and disconnects."""
+    server = uvicorn.Server(uvicorn.Config(edge_app(port, **config), lifespan="on", log_config=None,
+                                           timeout_graceful_shutdown=1))
+    async with serving(server) as edge_port:
+        yield f"http://127.0.0.1:{edge_port}"
 
 
 def run(scenario: Callable[[], Awaitable[None]]) -> None:

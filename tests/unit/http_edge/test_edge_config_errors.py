@@ -14,6 +14,18 @@ def test_defaults() -> None:
     assert (config.host, config.port, config.tokenizer_address) == ("127.0.0.1", 8000, "127.0.0.1:50051")
     assert config.max_request_mib == 40 and config.max_request_bytes == 40 * 1024 * 1024
     assert config.request_timeout_s == 600
+    assert (config.max_header_kib, config.max_header_bytes, config.max_headers) == (32, 32 * 1024, 100)
+    assert (config.header_timeout_s, config.body_timeout_s) == (10, 30)
+
+
+def test_http_limits_from_flags_and_environment() -> None:
+    config = load_config(
+        EdgeConfig,
+        ["--max-header-kib", "8", "--header-timeout-s", "0.5"],
+        {"STORMSERVE_MAX_HEADERS": "20", "STORMSERVE_BODY_TIMEOUT_S": "2.5", "STORMSERVE_MAX_HEADER_KIB": "64"},
+    )
+    assert (config.max_header_bytes, config.max_headers) == (8 * 1024, 20)
+    assert (config.header_timeout_s, config.body_timeout_s) == (0.5, 2.5)
 
 
 def test_flags_aliases_and_environment() -> None:
@@ -41,6 +53,15 @@ def test_flags_aliases_and_environment() -> None:
         {"request_timeout_s": 70000},
         {"models_cache_s": -1},
         {"shutdown_grace_s": -0.5},
+        {"max_header_kib": 0},
+        {"max_header_kib": 1025},
+        {"max_headers": 0},
+        {"max_headers": 10_001},
+        {"header_timeout_s": 0},
+        {"header_timeout_s": float("nan")},
+        {"header_timeout_s": float("inf")},
+        {"body_timeout_s": -1},
+        {"body_timeout_s": 70000},
     ],
 )
 def test_invalid_config_is_refused(fields: dict) -> None:

@@ -18,6 +18,7 @@ from services.http_edge.config import EdgeConfig
 
 HOLD = object()  # a FakeCall item: block until cancelled
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+JSON = {"content-type": "application/json"}
 
 
 def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
@@ -96,7 +97,7 @@ def error_body(message: str, error_type: str, code: int) -> dict[str, Any]:
 
 def test_bad_json_is_422_with_the_merged_body() -> None:
     app, backend = make_app([])
-    reply = request(app, "POST", "/v1/chat/completions", content=b"{not json")
+    reply = request(app, "POST", "/v1/chat/completions", content=b"{not json", headers=JSON)
     assert reply.status_code == 422
     assert reply.headers["content-type"] == "application/json"
     assert reply.json() == error_body(
@@ -108,10 +109,22 @@ def test_bad_json_is_422_with_the_merged_body() -> None:
     assert backend.calls == []
 
 
-def test_content_type_is_not_checked() -> None:
+@pytest.mark.parametrize("headers", [{"content-type": "text/plain"}, {"content-type": "application/jsonx"}, {}])
+def test_a_body_not_declared_json_is_415_before_it_is_read(headers: dict[str, str]) -> None:
+    app, backend = make_app([], max_request_mib=1)
+    reply = request(app, "POST", "/v1/chat/completions", content=b"x" * (2 * 1024 * 1024),
+                    headers=headers)  # above the limit: a read body would be 413
+    assert reply.status_code == 415
+    sent = repr(headers["content-type"]) if headers else None
+    message = f"Content-Type must be application/json, {f'got {sent}' if sent else 'none was sent'}"
+    assert reply.json() == error_body(message, "Unsupported Media Type", 415)
+    assert backend.calls == []
+
+
+def test_json_with_parameters_is_accepted() -> None:
     app, _ = make_app([text_chunk("ok", chat_pb2.FINISH_REASON_STOP)])
     reply = request(app, "POST", "/v1/chat/completions", content=json.dumps(BODY),
-                    headers={"content-type": "text/plain"})
+                    headers={"content-type": "Application/JSON ; charset=utf-8"})
     assert reply.status_code == 200
     assert reply.json()["choices"][0]["message"]["content"] == "ok"
 
@@ -122,10 +135,10 @@ def test_body_limit_by_declared_length_and_by_counting() -> None:
     at_limit = padded[:-1] + b" " * (limit - len(padded)) + b"}"
     assert len(at_limit) == limit
     app, _ = make_app([text_chunk("ok", chat_pb2.FINISH_REASON_STOP)], max_request_mib=1)
-    assert request(app, "POST", "/v1/chat/completions", content=at_limit).status_code == 200
+    assert request(app, "POST", "/v1/chat/completions", content=at_limit, headers=JSON).status_code == 200
 
     app, backend = make_app([], max_request_mib=1)
-    reply = request(app, "POST", "/v1/chat/completions", content=at_limit + b" ")
+    reply = request(app, "POST", "/v1/chat/completions", content=at_limit + b" ", headers=JSON)
     assert reply.status_code == 413
     assert reply.json() == error_body(
         "Request body too large. Maximum allowed size is 1MB.", "Payload Too Large", 413
@@ -135,7 +148,7 @@ def test_body_limit_by_declared_length_and_by_counting() -> None:
         for _ in range(3):
             yield b" " * (limit // 2)
 
-    reply = request(app, "POST", "/v1/chat/completions", content=chunked())
+    reply = request(app, "POST", "/v1/chat/completions", content=chunked(), headers=JSON)
     assert reply.status_code == 413
     assert backend.calls == []
 
@@ -232,7 +245,8 @@ async def asgi_post(app, body: dict[str, Any], disconnect_when: asyncio.Event) -
     scope = {
         "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
         "method": "POST", "scheme": "http", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
-        "query_string": b"", "root_path": "", "headers": [(b"content-length", str(len(raw)).encode())],
+        "query_string": b"", "root_path": "", "headers": [(b"content-length", str(len(raw)).encode()),
+                                                (b"content-type", b"application/json")],
         "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 8000),
     }
     await asyncio.wait_for(app(scope, receive, send), timeout=5)

@@ -1,0 +1,202 @@
+"""uvicorn's httptools protocol with the limits a public endpoint needs.
+
+Stock uvicorn buffers a request head of any size and any number of fields,
+waits forever for a head that never ends (or a connection that never sends a
+byte), and answers malformed HTTP in plain text. This subclass, per connection:
+
+- refuses a head above `max_header_kib` or with more than `max_headers` fields
+  with 431 while it is parsed: the check runs on every callback and after every
+  read, so at most about one read (<= 256 KiB) beyond the limit is buffered;
+- gives a head `header_timeout_s` to arrive, counted from connection open and,
+  on a kept-alive connection, from the first byte after a response: a started
+  head that is late gets 408, a connection that sent nothing is just closed
+  (browsers open spare connections and would log a stray 408);
+- answers malformed HTTP with 400.
+
+Every answer uses errors.py's body and closes the connection: the parser is
+mid-request and the rest of that request cannot be told from the next one.
+The body's own timeout is `read_body`'s (serving.py), where the body is read.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, ClassVar, Literal
+
+import httptools
+from uvicorn.config import Config
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+from uvicorn.server import ServerState
+
+from services.http_edge.config import EdgeConfig
+from services.http_edge.errors import EdgeError, bad_http, head_too_large, read_timeout
+
+log = logging.getLogger(__name__)
+
+FIELD_OVERHEAD = len(": \r\n")
+# After a refusal the client may still be sending (a 1 MiB header): closing with
+# its bytes unread makes the kernel send RST, which can destroy our answer before
+# the client reads it. So the write side is shut and input discarded this long.
+LINGER_S = 2.0
+
+
+class EdgeHttpProtocol(HttpToolsProtocol):
+    """Built per connection by uvicorn; `limits` is bound by `for_config`."""
+
+    limits: ClassVar[EdgeConfig]
+
+    @classmethod
+    def for_config(cls, config: EdgeConfig) -> type[EdgeHttpProtocol]:
+        """A subclass bound to `config`: uvicorn builds protocols from a class
+        and its own Config, so the edge's limits travel as a class attribute."""
+        return type(cls.__name__, (cls,), {"limits": config})
+
+    def __init__(self, config: Config, server_state: ServerState, app_state: dict[str, Any],
+                 _loop: asyncio.AbstractEventLoop | None = None) -> None:
+        super().__init__(config, server_state, app_state, _loop)
+        self._phase: Literal["idle", "head", "body"] = "idle"
+        self._head_bytes = 0  # this head's URL and fields, as the callbacks see them
+        self._head_read = 0  # bytes read while this head was unfinished (see data_received)
+        self._head_fields = 0
+        self._message_ended = False  # a message ended in the read being parsed
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._refusal: EdgeError | None = None  # raised out of a parser callback
+        self._lingering = False  # refused: input is read and dropped until the close
+
+    # -- connection events ----------------------------------------------------
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_head_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_head_timer()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._lingering:
+            return
+        self._unset_keepalive_if_required()
+        if self._phase == "idle":
+            self._arm_head_timer()  # bytes between requests (even bare CRLFs) start the clock
+        self._message_ended = False
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:  # as uvicorn: WebSocket or a warning
+            if self._should_upgrade():
+                self.handle_websocket_upgrade()
+            else:
+                self._unsupported_upgrade_warning()
+            return
+        except httptools.HttpParserError as exc:
+            self._refuse(self._refusal or bad_http(str(exc)))
+            return
+        # llhttp keeps a partial field or URL in its own buffer, out of the
+        # callbacks' sight. A read that leaves the head unfinished, with no
+        # message ending in it, was all head: count it so that a never-ending
+        # field is refused after the limit, not after the whole field arrived.
+        if self._phase == "head" and not self._message_ended:
+            self._head_read += len(data)
+            if self._head_read > self.limits.max_header_bytes:
+                self._refuse(self._head_too_large())
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self._phase == "head":  # a pipelined head that started during the response
+            self._arm_head_timer()
+
+    # -- parser callbacks -----------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._phase = "head"
+        self._head_bytes = self._head_read = self._head_fields = 0
+        self._arm_head_timer()
+
+    def on_url(self, url: bytes) -> None:
+        self._count_head(len(url))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._head_fields += 1
+        if self._head_fields > self.limits.max_headers:
+            self._raise(head_too_large(f"Request has more than {self.limits.max_headers} header fields"))
+        self._count_head(len(name) + len(value) + FIELD_OVERHEAD)
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self._phase = "body"
+        self._cancel_head_timer()
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._phase = "idle"
+        self._message_ended = True
+        super().on_message_complete()
+
+    # -- limits ---------------------------------------------------------------
+
+    def _head_too_large(self) -> EdgeError:
+        return head_too_large(f"Request header fields exceed {self.limits.max_header_kib} KiB")
+
+    def _count_head(self, size: int) -> None:
+        """Head bytes the callbacks see in full; exact where a whole head came in one read."""
+        self._head_bytes += size
+        if self._head_bytes > self.limits.max_header_bytes:
+            self._raise(self._head_too_large())
+
+    def _raise(self, error: EdgeError) -> None:
+        """Stop the parser from a callback: httptools turns any exception into
+        HttpParserCallbackError, so the refusal itself waits in `_refusal`."""
+        self._refusal = error
+        raise error
+
+    def _in_flight(self) -> bool:
+        return self.cycle is not None and not self.cycle.response_complete
+
+    def _arm_head_timer(self) -> None:
+        # Not while a response is being written: a client may send a stray CRLF
+        # after its body (RFC 9112 §2.2) and must not lose a long stream for it.
+        if self._head_timer is None and not self._in_flight():
+            self._head_timer = self.loop.call_later(self.limits.header_timeout_s, self._head_timed_out)
+
+    def _cancel_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        # The timer is cancelled once a head is complete, so the phase is "idle" or "head".
+        self._head_timer = None
+        if self._phase == "head":
+            self._refuse(read_timeout("head", self.limits.header_timeout_s))
+        else:  # nothing of a request came, at most the CRLFs allowed between requests
+            self.transport.close()
+
+    def _refuse(self, error: EdgeError) -> None:
+        """Answer `error` with the merged body and close the connection."""
+        self._cancel_head_timer()
+        if self._lingering or self.transport.is_closing():
+            return
+        peer = "%s:%d" % self.client if self.client else "a client"
+        log.info("refused %s: %d %s", peer, error.status, error.message)
+        if self._in_flight():
+            # A pipelined request failed while an earlier response is being
+            # written: an answer now would corrupt that response.
+            self.transport.close()
+            return
+        response = error.response()
+        headers = [*self.server_state.default_headers,
+                   *((name, value) for name, value in response.raw_headers if name != b"connection"),
+                   (b"connection", b"close")]
+        head = b"".join(name + b": " + value + b"\r\n" for name, value in headers)
+        self.transport.write(STATUS_LINE[error.status] + head + b"\r\n" + response.body)
+        if not self.transport.can_write_eof():
+            self.transport.close()
+            return
+        # The client sees the answer and the end of the stream at once; its EOF
+        # (eof_received) or the timer closes the transport.
+        self._lingering = True
+        self.transport.write_eof()
+        self.flow.resume_reading()
+        self.loop.call_later(LINGER_S, self.transport.close)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from typing import Any, ClassVar, Literal
 
 import httptools
@@ -38,6 +39,10 @@ FIELD_OVERHEAD = len(": \r\n")
 # its bytes unread makes the kernel send RST, which can destroy our answer before
 # the client reads it. So the write side is shut and input discarded this long.
 LINGER_S = 2.0
+# Linux grows a connection's send buffer up to 4 MiB (tcp_wmem): a streaming client
+# that stops reading would park that much of its reply in the kernel before the
+# edge's own bound and stall timer (streaming.py) could see it fall behind.
+SEND_BUFFER_BYTES = 256 * 1024
 
 
 class EdgeHttpProtocol(HttpToolsProtocol):
@@ -67,6 +72,9 @@ class EdgeHttpProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
         self._arm_head_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:

@@ -29,6 +29,7 @@ from typing import Any
 from services.tokenizer.render_worker import HEADER, write_message
 
 log = logging.getLogger(__name__)
+START_TIMEOUT_S = 120.0  # imports on a loaded 2-core machine; not a render's budget
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -50,6 +51,11 @@ class _RenderProcess:
              "--nice", str(nice)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=ROOT, env=env,
         )
+        try:
+            self._answer(time.monotonic() + START_TIMEOUT_S)  # {"ready": true}
+        except (RenderTimeout, RenderCrashed):
+            self.kill()
+            raise RenderCrashed() from None
 
     @property
     def is_alive(self) -> bool:
@@ -78,15 +84,17 @@ class _RenderProcess:
                 data += piece
         return bytes(data)
 
+    def _answer(self, deadline: float) -> dict[str, Any]:
+        (size,) = HEADER.unpack(self._read(HEADER.size, deadline))
+        return json.loads(self._read(size, deadline).decode("utf-8", "surrogatepass"))
+
     def run(self, job: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         deadline = time.monotonic() + timeout_s
         try:
             write_message(self.proc.stdin, job)
-            (size,) = HEADER.unpack(self._read(HEADER.size, deadline))
-            payload = self._read(size, deadline)
+            return self._answer(deadline)
         except (BrokenPipeError, ValueError, OSError) as exc:  # killed under us: pipes closed or gone
             raise RenderCrashed() from exc
-        return json.loads(payload.decode("utf-8", "surrogatepass"))
 
 
 class _Running:

@@ -14,7 +14,8 @@ Protocol on stdin/stdout: each message is an 8-byte big-endian length and that
 many bytes of JSON. A job is `{"template", "messages", "tools",
 "template_vars", "add_generation_prompt", "continue_final_message",
 "max_chars"}`; the answer is `{"text"}`, `{"too_long": num_chars}` or
-`{"error", "error_type"}`. The process exits when stdin closes.
+`{"error", "error_type"}`. The process says `{"ready": true}` once it has
+started, and exits when stdin closes.
 """
 from __future__ import annotations
 
@@ -88,6 +89,7 @@ def main() -> None:
     _cap_memory(args.memory_mib)
     os.nice(args.nice)
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    write_message(stdout, {"ready": True})  # start-up is not part of any render's time budget
     while (job := read_message(stdin)) is not None:
         write_message(stdout, render_job(job))
 

@@ -1,6 +1,7 @@
 """ChatService (the public API) and TokenizerService wiring."""
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from functools import partial
@@ -209,15 +210,17 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
 
     async def Tokenize(self, request, context):
         self.core.check_model(request.model)
-        ids = self.core.tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens)
+        # Off the event loop: a long text would hold every other call of this process.
+        ids = await asyncio.to_thread(self.core.tokenizer.encode, request.text,
+                                      add_special_tokens=request.add_special_tokens)
         return tokenizer_pb2.TokenizeResponse(
             token_ids=ids, tokens=self.core.tokenizer.convert_ids_to_tokens(ids)
         )
 
     async def Detokenize(self, request, context):
         self.core.check_model(request.model)
-        text = self.core.tokenizer.decode(list(request.token_ids),
-                                          skip_special_tokens=request.skip_special_tokens)
+        text = await asyncio.to_thread(self.core.tokenizer.decode, list(request.token_ids),
+                                       skip_special_tokens=request.skip_special_tokens)
         return tokenizer_pb2.DetokenizeResponse(text=text)
 
     async def ApplyChatTemplate(self, request, context):

@@ -110,6 +110,7 @@ def test_runaway_request_templates_do_not_delay_the_model_template(trusting):
 
 def test_cancelling_a_request_kills_its_render(trusting):
     lane = trusting.request_lane
+    render(trusting, chat_template="started")  # the lane's one process is up before the runaway takes it
 
     async def scenario() -> None:
         task = asyncio.create_task(trusting.render(MESSAGES, [], {"chat_template": RUNAWAY}))

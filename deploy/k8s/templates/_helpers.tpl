@@ -1,0 +1,246 @@
+{{/* Names: <release>-stormserve (or the release name when it holds the chart name), 63 characters at most. */}}
+{{- define "stormserve.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "stormserve.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 50 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 50 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 50 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The name of one component's objects: <fullname>-<component> (50 + 10 characters leave room for pod suffixes). */}}
+{{- define "stormserve.component" -}}
+{{- printf "%s-%s" (include "stormserve.fullname" .root) .component -}}
+{{- end -}}
+
+{{- define "stormserve.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "stormserve.labels" -}}
+helm.sh/chart: {{ include "stormserve.chart" . }}
+app.kubernetes.io/name: {{ include "stormserve.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: stormserve
+{{- end -}}
+
+{{/* Selector labels of one component; call with (dict "root" $ "component" "edge"). */}}
+{{- define "stormserve.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "stormserve.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "stormserve.componentLabels" -}}
+{{ include "stormserve.labels" .root }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "stormserve.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{- define "stormserve.workerImage" -}}
+{{- $repository := default .Values.image.repository .Values.worker.image.repository -}}
+{{- $tag := default (default .Chart.AppVersion .Values.image.tag) .Values.worker.image.tag -}}
+{{- printf "%s:%s" $repository $tag -}}
+{{- end -}}
+
+{{/* host:port of a component's Service, e.g. the tokenizer for the edge. */}}
+{{- define "stormserve.address" -}}
+{{- printf "%s:%d" (include "stormserve.component" .) (index .root.Values.ports .component | int) -}}
+{{- end -}}
+
+{{/* One component's drain timeout in seconds. */}}
+{{- define "stormserve.drainTimeout" -}}
+{{- $c := index .root.Values .component -}}
+{{- if kindIs "invalid" $c.drainTimeoutSeconds -}}
+{{- .root.Values.drain.timeoutSeconds | int -}}
+{{- else -}}
+{{- $c.drainTimeoutSeconds | int -}}
+{{- end -}}
+{{- end -}}
+
+{{/* preStop sleep + drain timeout + margin: Kubernetes never kills a pod still draining. */}}
+{{- define "stormserve.terminationGrace" -}}
+{{- add .root.Values.drain.preStopSleepSeconds (include "stormserve.drainTimeout" . | int) .root.Values.drain.graceMarginSeconds -}}
+{{- end -}}
+
+{{/* The pod-level settings every component shares; call with (dict "root" $ "component" "edge"). */}}
+{{- define "stormserve.podSpecCommon" -}}
+{{- $c := index .root.Values .component -}}
+{{- with .root.Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+securityContext:
+  {{- toYaml .root.Values.podSecurityContext | nindent 2 }}
+terminationGracePeriodSeconds: {{ include "stormserve.terminationGrace" . }}
+{{- with $c.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with $c.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with $c.affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{/* Pod template metadata: selector labels, the config checksum (pods restart when the ConfigMap changes), annotations. */}}
+{{- define "stormserve.podMetadata" -}}
+{{- $c := index .root.Values .component -}}
+metadata:
+  labels:
+    {{- include "stormserve.componentLabels" . | nindent 4 }}
+    {{- with .root.Values.podLabels }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+  annotations:
+    checksum/config: {{ include (print .root.Template.BasePath "/configmap.yaml") .root | sha256sum }}
+    {{- with .root.Values.podAnnotations }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+    {{- with $c.podAnnotations }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+{{- end -}}
+
+{{/* Container settings every component shares: image, security, config, drain, scratch mounts. */}}
+{{- define "stormserve.containerCommon" -}}
+{{- $c := index .root.Values .component -}}
+imagePullPolicy: {{ .root.Values.image.pullPolicy }}
+command: ["python", "-m", "services.{{ .module }}"]
+securityContext:
+  {{- toYaml .root.Values.securityContext | nindent 2 }}
+envFrom:
+  - configMapRef:
+      name: {{ include "stormserve.fullname" .root }}-config
+resources:
+  {{- include "stormserve.resources" . | nindent 2 }}
+lifecycle:
+  preStop:
+    exec:
+      command: ["sleep", "{{ .root.Values.drain.preStopSleepSeconds }}"]
+{{- end -}}
+
+{{/* Env of one container: where it listens, its drain timeout, then its own extra settings. */}}
+{{- define "stormserve.env" -}}
+{{- $c := index .root.Values .component -}}
+- name: STORMSERVE_HOST
+  value: {{ .root.Values.listenHost | quote }}
+- name: STORMSERVE_PORT
+  value: {{ index .root.Values.ports .component | quote }}
+- name: STORMSERVE_DRAIN_TIMEOUT_S
+  value: {{ include "stormserve.drainTimeout" . | quote }}
+# The root filesystem is read-only: libraries that write under ~ write to /tmp.
+- name: HOME
+  value: /tmp
+{{- range $name, $value := $c.env }}
+- name: STORMSERVE_{{ $name }}
+  value: {{ $value | toString | quote }}
+{{- end }}
+{{- end -}}
+
+{{- define "stormserve.scratchMounts" -}}
+- name: cache
+  mountPath: {{ .Values.cache.mountPath }}
+- name: tmp
+  mountPath: /tmp
+{{- end -}}
+
+{{- define "stormserve.scratchVolumes" -}}
+- name: cache
+  emptyDir:
+    sizeLimit: {{ .Values.cache.sizeLimit }}
+- name: tmp
+  emptyDir:
+    sizeLimit: {{ .Values.tmp.sizeLimit }}
+{{- end -}}
+
+{{/* The model volume (none for the bundled model, which is in the image). */}}
+{{- define "stormserve.modelMount" -}}
+{{- if ne .Values.model.source "bundled" }}
+- name: model
+  mountPath: {{ .Values.model.mountPath }}
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{- define "stormserve.modelVolume" -}}
+{{- if eq .Values.model.source "pvc" }}
+- name: model
+  persistentVolumeClaim:
+    claimName: {{ .Values.model.pvc.claimName }}
+    readOnly: true
+{{- else if eq .Values.model.source "hostPath" }}
+- name: model
+  hostPath:
+    path: {{ .Values.model.hostPath.path }}
+    type: {{ .Values.model.hostPath.type }}
+{{- end }}
+{{- end -}}
+
+{{/* Probes of a gRPC service: readiness on the standard health service with its full
+service name (NOT_SERVING until it and the services behind it are ready, and while it
+drains); liveness on the port alone, so that a pod waiting for the services behind it
+is not restarted. */}}
+{{- define "stormserve.grpcProbes" -}}
+readinessProbe:
+  grpc:
+    port: {{ .port }}
+    service: {{ .service }}
+  periodSeconds: 5
+  failureThreshold: 2
+livenessProbe:
+  tcpSocket:
+    port: grpc
+  periodSeconds: 10
+  failureThreshold: 6
+{{- end -}}
+
+{{/* Static worker list: <sts>-<i>.<headless service>.<namespace>.svc:<port>, one per replica. */}}
+{{- define "stormserve.staticWorkers" -}}
+{{- $name := include "stormserve.component" (dict "root" . "component" "worker") -}}
+{{- $addresses := list -}}
+{{- range $i := until (int .Values.worker.replicas) -}}
+{{- $addresses = append $addresses (printf "%s-%d.%s.%s.svc:%d" $name $i $name $.Release.Namespace (int $.Values.ports.worker)) -}}
+{{- end -}}
+{{- join "," $addresses -}}
+{{- end -}}
+
+{{/* The extended resource the worker requests: "" on cpu, else the override or the accelerator's default. */}}
+{{- define "stormserve.acceleratorResource" -}}
+{{- $w := .Values.worker -}}
+{{- if ne $w.accelerator "cpu" -}}
+{{- $default := get (dict "cuda" "nvidia.com/gpu" "npu" "huawei.com/Ascend910") $w.accelerator -}}
+{{- default $default $w.acceleratorResource.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* A component's resources; a cuda or npu worker's also request its accelerator (requests = limits, as extended resources need). */}}
+{{- define "stormserve.resources" -}}
+{{- $resources := deepCopy (index .root.Values .component).resources -}}
+{{- if eq .component "worker" -}}
+{{- $name := include "stormserve.acceleratorResource" .root -}}
+{{- if $name -}}
+{{- $count := .root.Values.worker.acceleratorResource.count -}}
+{{- $_ := set $resources "requests" (set (default (dict) $resources.requests) $name $count) -}}
+{{- $_ := set $resources "limits" (set (default (dict) $resources.limits) $name $count) -}}
+{{- end -}}
+{{- end -}}
+{{- toYaml $resources -}}
+{{- end -}}

@@ -30,7 +30,7 @@ from typing import Any
 import grpc
 from google.rpc import status_pb2
 
-from services.common.errors import status_of
+from services.common.errors import request_id_of, status_of
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
@@ -65,7 +65,7 @@ async def serve_calls(requests: AsyncIterator[Any], handle: Callable[[Any], Asyn
         except asyncio.CancelledError:
             raise  # cancelled by the caller: it expects nothing more
         except Exception as exc:  # noqa: BLE001 - becomes the call's status, as the interceptor does
-            code, message = status_of(exc)
+            code, message = status_of(exc, request_id_of(request))
             end = status_pb2.Status(code=code.value[0], message=message)
         finally:
             calls.pop(call_id, None)

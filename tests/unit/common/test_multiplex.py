@@ -116,7 +116,7 @@ def test_calls_interleave_and_messages_made_together_travel_together() -> None:
     asyncio.run(scenario())
 
 
-def test_a_failing_call_ends_with_its_status_and_the_others_go_on() -> None:
+def test_a_failing_call_ends_with_its_status_and_the_others_go_on(caplog) -> None:
     async def handle(request):
         yield reply("first")
         if request.request_id == "bad":
@@ -134,7 +134,10 @@ def test_a_failing_call_ends_with_its_status_and_the_others_go_on() -> None:
             assert failed.value.code() == grpc.StatusCode.OUT_OF_RANGE and failed.value.details() == "too long"
             with pytest.raises(grpc.aio.AioRpcError) as internal:
                 await read_all(bug)
-            assert internal.value.code() == grpc.StatusCode.INTERNAL and "boom" in internal.value.details()
+            # The exception's text goes to the log, beside the request's id, not to the caller.
+            assert internal.value.code() == grpc.StatusCode.INTERNAL and internal.value.details() == "internal error"
+            logged = [r for r in caplog.records if r.exc_info and "boom" in str(r.exc_info[1])]
+            assert logged and "for bug" in logged[0].getMessage()
             assert await read_all(good) == ["first", "second"]
             assert await good.read() is grpc.aio.EOF
 

@@ -212,8 +212,14 @@ class _Stream:
         self.reader: asyncio.Task | None = None
 
     async def _requests(self) -> AsyncIterator[Any]:
-        while True:
-            yield await self.outgoing.get()
+        # Ends at the None `end` queues: grpc.aio's task that reads this does not
+        # stop by itself when the stream failed, and would wait here forever.
+        while (message := await self.outgoing.get()) is not None:
+            yield message
+
+    def end(self) -> None:
+        self.outgoing.put_nowait(None)
+        self.rpc.cancel()
 
 
 class CallMultiplexer:
@@ -267,11 +273,11 @@ class CallMultiplexer:
             for call in stream.calls.values():
                 call._finish(error)
             stream.calls.clear()
-            stream.rpc.cancel()
+            stream.end()
 
     async def close(self) -> None:
         stream, self._stream = self._stream, None
         if stream is not None and stream.reader is not None:
-            stream.rpc.cancel()
+            stream.end()
             stream.reader.cancel()
             await asyncio.gather(stream.reader, return_exceptions=True)

@@ -84,6 +84,11 @@ async def eventually(condition: Callable[[], bool]) -> None:
         await asyncio.sleep(0.01)
 
 
+def sending_tasks() -> list[asyncio.Task]:
+    """grpc.aio's tasks that send a stream's requests from our request iterator."""
+    return [t for t in asyncio.all_tasks() if "_consume_request_iterator" in repr(t.get_coro())]
+
+
 def ask(request_id: str) -> chat_pb2.ChatRequest:
     return chat_pb2.ChatRequest(request_id=request_id)
 
@@ -196,6 +201,10 @@ def test_a_lost_stream_fails_its_calls_and_the_next_call_opens_a_new_one() -> No
                     await call.read()
                 assert lost.value.code() == grpc.StatusCode.UNAVAILABLE and lost.value.details() == "going away"
             assert sorted(service.cancelled) == ["a", "b", "c"]  # the server's handlers were stopped
+            # Nothing is left waiting to send on the lost stream (grpc.aio's task that
+            # reads our requests), to be destroyed pending with it.
+            await eventually(lambda: not sending_tasks())
+            assert not sending_tasks()
             again = calls.start(ask("d"))
             assert (await again.read()).chunk.id == "hi"
             assert service.streams_ended == 1

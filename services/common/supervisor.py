@@ -133,7 +133,11 @@ class Chain:
                 elif now >= due:
                     self.restarts[name] = self.restarts.get(name, 0) + 1
                     log.warning("restarting %s (restart %d)", name, self.restarts[name])
-                    self.restart(name)
+                    try:
+                        self.restart(name)
+                    except OSError as exc:  # found dead again by the next look, given the next delay
+                        log.error("could not restart %s: %s", name, exc)
+                        continue
                     started.append(name)
         return started
 

@@ -127,21 +127,13 @@ def assert_unavailable(chain, reply: httpx.Response) -> None:
     assert_nothing_internal(chain, reply.text)
 
 
-def test_a_killed_scheduler_is_restarted_and_used_again(chain_and_load):
-    # First in the module: the killed streams hold the scheduler's first sequence
-    # ids, which the restarted scheduler hands out again.
+# The scheduler first: the streams it loses hold its first sequence ids, which
+# the restarted scheduler hands out again.
+@pytest.mark.parametrize("service", ["scheduler", "worker0"])
+def test_a_killed_service_is_restarted_and_the_chain_serves_again(chain_and_load, service):
     chain, get_load = chain_and_load
     restarts, down = dict(chain.restarts), []
-    killed_at, outcomes = kill_under_load(chain, "scheduler", lambda: down.append(ask(chain.url)))
+    killed_at, outcomes = kill_under_load(chain, service, lambda: down.append(ask(chain.url)))
     assert_unavailable(chain, down[0])
     assert_ended_by_an_error_frame(chain, outcomes)
-    print("scheduler killed, then:", wait_until_served(chain, get_load, "scheduler", killed_at, restarts))
-
-
-def test_a_killed_worker_is_restarted_and_rejoins(chain_and_load):
-    chain, get_load = chain_and_load
-    restarts, down = dict(chain.restarts), []
-    killed_at, outcomes = kill_under_load(chain, "worker0", lambda: down.append(ask(chain.url)))
-    assert_unavailable(chain, down[0])
-    assert_ended_by_an_error_frame(chain, outcomes)
-    print("worker killed, then:", wait_until_served(chain, get_load, "worker0", killed_at, restarts))
+    print(f"{service} killed, then:", wait_until_served(chain, get_load, service, killed_at, restarts))

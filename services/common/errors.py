@@ -1,9 +1,11 @@
-"""Errors that carry a gRPC status, and the one interceptor that turns them
-(and anything unexpected) into a real status for the caller."""
+"""Errors that carry a gRPC status, the one interceptor that turns them
+(and anything unexpected) into a real status for the caller, and what of a
+status a client may read."""
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -25,16 +27,67 @@ def invalid_argument(message: str) -> ServiceError:
     return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
-def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The status a handler's exception ends its call with (logged when unexpected)."""
+INTERNAL_ERROR = "internal error"
+
+# Codes our services raise on purpose with a message written for the client
+# (the prompt is too long, the model is unknown, the queue is full...).
+CLIENT_CODES = frozenset({
+    grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.OUT_OF_RANGE,
+    grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
+})
+
+# What a client reads for any other status, and for a status of the codes
+# above that the gRPC library wrote: its details name peers' addresses and
+# transport errors, and ours name workers and exceptions, all for the logs.
+FIXED_MESSAGES = {
+    grpc.StatusCode.INVALID_ARGUMENT: "invalid request",
+    grpc.StatusCode.NOT_FOUND: "not found",
+    grpc.StatusCode.OUT_OF_RANGE: "the request is out of range",
+    grpc.StatusCode.RESOURCE_EXHAUSTED: "the service is overloaded, retry later",
+    grpc.StatusCode.ALREADY_EXISTS: "the request is already running",
+    grpc.StatusCode.FAILED_PRECONDITION: "the request cannot be served",
+    grpc.StatusCode.UNAUTHENTICATED: "unauthenticated",
+    grpc.StatusCode.PERMISSION_DENIED: "permission denied",
+    grpc.StatusCode.UNAVAILABLE: "the service is temporarily unavailable, retry",
+    grpc.StatusCode.DEADLINE_EXCEEDED: "the request timed out",
+    grpc.StatusCode.CANCELLED: "the request was cancelled",
+    grpc.StatusCode.ABORTED: "the request was aborted, retry",
+    grpc.StatusCode.UNIMPLEMENTED: "not supported by this server",
+}
+
+# Details only the gRPC library writes: a peer's address (ipv4:1.2.3.4:5,
+# ipv6:[::1]:5, unix:/path, host:port) or its message size limits.
+_LIBRARY_DETAILS = re.compile(
+    r"\b(?:ipv[46]|unix|dns):|\b\d{1,3}(?:\.\d{1,3}){3}:\d+|\[[0-9a-f:.]*\]:\d+|\blocalhost:\d+"
+    r"|message larger than max|failed to connect", re.IGNORECASE)
+
+
+def client_message(code: grpc.StatusCode, details: str | None) -> str:
+    """What a client may read of a status: our own message for the codes we raise
+    for clients, else a fixed message for the code. Log `details` beside it."""
+    if code in CLIENT_CODES and details and not _LIBRARY_DETAILS.search(details):
+        return details
+    return FIXED_MESSAGES.get(code, INTERNAL_ERROR)
+
+
+def status_of(exc: BaseException, request_id: str = "") -> tuple[grpc.StatusCode, str]:
+    """The status a handler's exception ends its call with. An unexpected one is
+    logged, with the request's id, and answered INTERNAL without its text."""
     if isinstance(exc, ServiceError):
         return exc.code, exc.message
-    log.exception("unhandled error in handler", exc_info=exc)
-    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+    log.exception("unhandled error in handler%s", f" for {request_id}" if request_id else "", exc_info=exc)
+    return grpc.StatusCode.INTERNAL, INTERNAL_ERROR
 
 
-async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
-    await context.abort(*status_of(exc))
+def request_id_of(request: Any) -> str:
+    """The `request_id` of a Chat or Generate request, "" for anything else."""
+    request_id = getattr(request, "request_id", "")
+    return request_id if isinstance(request_id, str) else ""
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, request: Any) -> None:
+    await context.abort(*status_of(exc, request_id_of(request)))
 
 
 def _wrap_unary(fn: Callable[[Any, Any], Awaitable[Any]]):
@@ -44,7 +97,7 @@ def _wrap_unary(fn: Callable[[Any, Any], Awaitable[Any]]):
         except (grpc.aio.AbortError, asyncio.CancelledError):
             raise
         except Exception as exc:  # noqa: BLE001 - the point of the interceptor
-            await _abort(context, exc)
+            await _abort(context, exc, request)
 
     return wrapper
 
@@ -57,7 +110,7 @@ def _wrap_stream(fn: Callable[[Any, Any], AsyncIterator[Any]]):
         except (grpc.aio.AbortError, asyncio.CancelledError):
             raise
         except Exception as exc:  # noqa: BLE001
-            await _abort(context, exc)
+            await _abort(context, exc, request)
 
     return wrapper
 

@@ -30,7 +30,7 @@ from typing import Any
 import grpc
 from google.rpc import status_pb2
 
-from services.common.errors import status_of
+from services.common.errors import request_id_of, status_of
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
@@ -65,7 +65,7 @@ async def serve_calls(requests: AsyncIterator[Any], handle: Callable[[Any], Asyn
         except asyncio.CancelledError:
             raise  # cancelled by the caller: it expects nothing more
         except Exception as exc:  # noqa: BLE001 - becomes the call's status, as the interceptor does
-            code, message = status_of(exc)
+            code, message = status_of(exc, request_id_of(request))
             end = status_pb2.Status(code=code.value[0], message=message)
         finally:
             calls.pop(call_id, None)
@@ -234,8 +234,14 @@ class _Stream:
         self.reader: asyncio.Task | None = None
 
     async def _requests(self) -> AsyncIterator[Any]:
-        while True:
-            yield await self.outgoing.get()
+        # Ends at the None `end` queues: grpc.aio's task that reads this does not
+        # stop by itself when the stream failed, and would wait here forever.
+        while (message := await self.outgoing.get()) is not None:
+            yield message
+
+    def end(self) -> None:
+        self.outgoing.put_nowait(None)
+        self.rpc.cancel()
 
 
 class CallMultiplexer:
@@ -291,11 +297,11 @@ class CallMultiplexer:
             for call in stream.calls.values():
                 call._finish(error)
             stream.calls.clear()
-            stream.rpc.cancel()
+            stream.end()
 
     async def close(self) -> None:
         stream, self._stream = self._stream, None
         if stream is not None and stream.reader is not None:
-            stream.rpc.cancel()
+            stream.end()
             stream.reader.cancel()
             await asyncio.gather(stream.reader, return_exceptions=True)

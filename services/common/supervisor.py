@@ -1,27 +1,48 @@
 """Run the whole chain locally as separate processes: worker(s) → scheduler →
 tokenizer → http_edge. `make run` uses it; so do the end-to-end tests.
 
-Prints the URL once `/health` answers 200. SIGINT/SIGTERM stop every child
-(each drains gracefully, then is killed if it lingers); children also get
-SIGTERM if this process dies, so nothing is orphaned.
+Prints the URL once `/health` answers 200. From then on a service that exits
+is started again, as Kubernetes restarts a crashed container: after 1 s, then
+twice as long after each crash, at most 30 s, back to 1 s once it has stayed
+up 60 s. Each restart is logged (service, exit code or signal, delay). The
+services behind and in front of it reconnect by themselves. A service that
+dies during start-up stops the chain instead: that is a setup error, which
+restarting would only repeat.
+
+SIGINT/SIGTERM stop every child (each drains gracefully, then is killed if it
+lingers) and no restart happens after that; children also get SIGTERM if this
+process dies, so nothing is orphaned.
 """
 from __future__ import annotations
 
 import argparse
 import ctypes
+import logging
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.common.log import setup_logging
+
+log = logging.getLogger("stormserve.supervisor")
+
 PR_SET_PDEATHSIG = 1
 STOP_GRACE_S = 15.0
+# Restarts: the first after INITIAL_BACKOFF_S, each next one twice as late, at
+# most MAX_BACKOFF_S; a service that stayed up STABLE_AFTER_S starts over.
+INITIAL_BACKOFF_S = 1.0
+MAX_BACKOFF_S = 30.0
+STABLE_AFTER_S = 60.0
+SUPERVISE_POLL_S = 0.5
 # Set in each child's environment to our pid: see exit_with_supervisor.
 SUPERVISOR_PID_ENV = "STORMSERVE_SUPERVISOR_PID"
 
@@ -58,7 +79,15 @@ class Chain:
     env: dict[str, str] = field(default_factory=dict)
     log_dir: Path | None = None  # None: children write to our stdout/stderr
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    clock: Callable[[], float] = time.monotonic  # for the restart delays
+    restarts: dict[str, int] = field(default_factory=dict)  # per service, since start
     _commands: dict[str, tuple[str, ...]] = field(default_factory=dict, init=False, repr=False)
+    _started_at: dict[str, float] = field(default_factory=dict, init=False, repr=False)
+    _backoff_s: dict[str, float] = field(default_factory=dict, init=False, repr=False)
+    _restart_at: dict[str, float] = field(default_factory=dict, init=False, repr=False)  # dead, waiting
+    _stopping: bool = field(default=False, init=False, repr=False)
+    # Held by `heal` and by `stop` while it marks the chain stopping: no restart after that.
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
     @property
     def url(self) -> str:
@@ -81,7 +110,61 @@ class Chain:
         """Start `name` again with its original arguments (after it died or was stopped)."""
         if self.procs[name].poll() is None:
             raise RuntimeError(f"{name} is still running")
+        self._restart_at.pop(name, None)
         self._spawn(name, *self._commands[name])
+
+    def heal(self) -> list[str]:
+        """One look at the children: a service found dead is logged and given its
+        restart delay; one whose delay has passed is started again. Returns the
+        services started. Does nothing once `stop` (or `request_stop`) was called."""
+        started = []
+        with self._lock:
+            if self._stopping:
+                return started
+            now = self.clock()
+            for name, proc in list(self.procs.items()):
+                if proc.poll() is None:
+                    continue
+                due = self._restart_at.get(name)
+                if due is None:
+                    self._restart_at[name] = now + self._next_backoff(name, now)
+                    log.warning("%s %s after %.1f s up; restarting it in %g s", name, exit_reason(proc.returncode),
+                                now - self._started_at[name], self._restart_at[name] - now)
+                elif now >= due:
+                    self.restarts[name] = self.restarts.get(name, 0) + 1
+                    log.warning("restarting %s (restart %d)", name, self.restarts[name])
+                    try:
+                        self.restart(name)
+                    except OSError as exc:  # found dead again by the next look, given the next delay
+                        log.error("could not restart %s: %s", name, exc)
+                        continue
+                    started.append(name)
+        return started
+
+    def _next_backoff(self, name: str, now: float) -> float:
+        """The delay before restarting `name`, which just died; the one after is doubled."""
+        delay = self._backoff_s.get(name, INITIAL_BACKOFF_S)
+        if now - self._started_at[name] >= STABLE_AFTER_S:
+            delay = INITIAL_BACKOFF_S  # it had recovered: a new crash is not part of a loop
+        self._backoff_s[name] = min(delay * 2, MAX_BACKOFF_S)
+        return delay
+
+    def supervise(self, poll_s: float = SUPERVISE_POLL_S) -> None:
+        """Keep the chain up (see `heal`) until `stop` or `request_stop`.
+
+        Run it on a thread that lives as long as the chain (`make run`: the main
+        one): a child's parent-death signal follows the thread that started it."""
+        while not self._stopping:
+            self.heal()
+            time.sleep(poll_s)
+
+    def request_stop(self) -> None:
+        """Ends `supervise` and prevents restarts; safe in a signal handler (takes no lock)."""
+        self._stopping = True
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
 
     def _spawn(self, name: str, module: str, *args: str) -> None:
         self._commands[name] = (module, *args)
@@ -92,12 +175,20 @@ class Chain:
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             out = open(self.log_dir / f"{name}.log", "ab")
-        self.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", module, *args], env=env, cwd=root, stdout=out, stderr=out,
-            # Own session: a terminal's Ctrl-C reaches only us, and we stop the
-            # children in order with SIGTERM.
-            start_new_session=True,
-        )
+            if name in self.procs:
+                out.write(f"--- {name} restarted by the supervisor ---\n".encode())
+                out.flush()
+        try:
+            self.procs[name] = subprocess.Popen(
+                [sys.executable, "-m", module, *args], env=env, cwd=root, stdout=out, stderr=out,
+                # Own session: a terminal's Ctrl-C reaches only us, and we stop the
+                # children in order with SIGTERM.
+                start_new_session=True,
+            )
+        finally:
+            if out is not None:
+                out.close()  # the child has its own copy
+        self._started_at[name] = self.clock()
 
     def wait_ready(self, timeout_s: float = 300.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -115,7 +206,10 @@ class Chain:
         raise TimeoutError(f"the chain did not become healthy within {timeout_s:.0f} s")
 
     def stop(self) -> None:
-        """Front to back, so each service drains while the one behind it still answers."""
+        """Front to back, so each service drains while the one behind it still answers.
+        Nothing is restarted from the moment it is called."""
+        with self._lock:  # a restart under way finishes first; none starts after
+            self._stopping = True
         for name in reversed(list(self.procs)):
             proc = self.procs[name]
             if proc.poll() is None:
@@ -133,6 +227,16 @@ class Chain:
         return ":\n" + text[-3000:]
 
 
+def exit_reason(returncode: int) -> str:
+    """'exited with code 1', 'was killed by SIGKILL'."""
+    if returncode < 0:
+        try:
+            return f"was killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"was killed by signal {-returncode}"
+    return f"exited with code {returncode}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="Run the stormserve chain locally.")
     parser.add_argument("--host", default=os.environ.get("STORMSERVE_HOST", "127.0.0.1"),
@@ -144,14 +248,16 @@ def main() -> None:
     args = parser.parse_args()
     chain = Chain(host=args.host, edge_port=args.port,
                   worker_ports=[50053 + i for i in range(args.workers)])
-    stopping = False
+    setup_logging("supervisor")
+    supervising = False
     exit_code = 0
 
     def on_signal(signum, frame):
-        nonlocal stopping
-        if not stopping:
-            stopping = True
-            raise KeyboardInterrupt
+        if chain.stopping:
+            return
+        chain.request_stop()  # supervise() returns within a poll and restarts nothing more
+        if not supervising:
+            raise KeyboardInterrupt  # still starting: leave wait_ready now
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
@@ -159,13 +265,13 @@ def main() -> None:
         chain.start()
         chain.wait_ready()
         print(f"stormserve is ready: {chain.url}/v1/chat/completions", flush=True)
-        while all(p.poll() is None for p in chain.procs.values()):
-            time.sleep(0.5)
-        dead = [n for n, p in chain.procs.items() if p.poll() is not None]
-        print(f"stopping: {', '.join(dead)} exited", file=sys.stderr, flush=True)
-        exit_code = 1
+        supervising = True
+        chain.supervise()
     except KeyboardInterrupt:
         pass
+    except (RuntimeError, TimeoutError) as exc:  # a service failed to start
+        print(f"stopping: {exc}", file=sys.stderr, flush=True)
+        exit_code = 1
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -27,6 +27,11 @@ otherwise (422 validation, 413 body size, 503 unavailable, 404 route).
 
 400, 431 and the head's 408 are answered by the HTTP protocol itself
 (http_protocol.py), the body's 408 by `read_body`; all four close the connection.
+
+The message of a gRPC status is shown only for the codes our services raise
+for clients (services.common.errors.client_message); any other status, or a
+details string the gRPC library wrote, reads as a fixed message for its code:
+addresses, transport errors and exception text stay in the logs.
 """
 from __future__ import annotations
 
@@ -40,6 +45,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from services.common.errors import INTERNAL_ERROR, client_message
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +140,7 @@ _GRPC_TO_HTTP: dict[grpc.StatusCode, tuple[int, str, int | None]] = {
 
 def from_grpc(code: grpc.StatusCode, details: str | None) -> EdgeError:
     status, error_type, doc_code = _GRPC_TO_HTTP.get(code, (500, INCOMPLETE, CODE_GENERATION))
-    return EdgeError(status, error_type, details or code.name, doc_code)
+    return EdgeError(status, error_type, client_message(code, details), doc_code)
 
 
 def from_rpc_error(exc: grpc.aio.AioRpcError) -> EdgeError:
@@ -228,9 +235,9 @@ def install_error_handlers(app: FastAPI) -> None:
         response.headers.update(exc.headers or {})
         return response
 
-    async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error", exc_info=exc)
-        return EdgeError(500, INCOMPLETE, f"internal error: {type(exc).__name__}", CODE_GENERATION).response()
+    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error in %s %s", request.method, request.url.path, exc_info=exc)
+        return EdgeError(500, INCOMPLETE, INTERNAL_ERROR, CODE_GENERATION).response()
 
     app.add_exception_handler(EdgeError, on_edge_error)
     app.add_exception_handler(RequestValidationError, on_request_validation)

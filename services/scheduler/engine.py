@@ -27,6 +27,11 @@ def now_us() -> int:
     return time.time_ns() // 1000
 
 
+# What a request on a lost worker ends with: its clients need not know which
+# worker that was, the log says (with the request's id).
+WORKER_LOST = "the worker running this request was lost"
+
+
 @dataclass
 class SequenceFailed:
     """Delivered instead of a token when the sequence cannot go on."""
@@ -160,7 +165,8 @@ class EngineLoop:
             stream = self._streams.get(seq.request_id)
             if stream is not None and seq.request_id not in failed:
                 failed.add(seq.request_id)
-                stream.put_nowait(SequenceFailed(f"worker lost: {message}"))
+                log.error("%s: %s (%s)", seq.request_id, WORKER_LOST, message)
+                stream.put_nowait(SequenceFailed(WORKER_LOST))
         policy.forget_worker_state()
 
     async def _watch_health(self) -> None:

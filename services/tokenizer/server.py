@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from functools import partial
 
 import grpc
 
-from services.common.errors import ServiceError, invalid_argument
+from services.common.errors import ServiceError, client_message, invalid_argument
 from services.common.multiplex import CallMultiplexer, MultiplexedCall, call_method, multiplexed_method
 from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.formats import ModelFormats, OutputOptions, output_options
@@ -22,6 +23,8 @@ from services.tokenizer.tool_grammar import tool_choice_grammar
 from stormserve.chat.v1 import chat_pb2, chat_pb2_grpc
 from stormserve.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from stormserve.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+
+log = logging.getLogger(__name__)
 
 # Documented error codes carried by a mid-stream failure.
 CODE_TIMEOUT = 802
@@ -180,15 +183,20 @@ class ChatServicer(chat_pb2_grpc.ChatServiceServicer):
                     # One choice hit a stop string while others go on: end just that one.
                     await self.scheduler.abort(
                         scheduler_pb2.AbortRequest(request_id=request_id, index=response.index))
+            log.error("%s: the scheduler ended the stream without finishing", request_id)
             raise ServiceError(grpc.StatusCode.INTERNAL, "the scheduler ended the stream without finishing")
         except grpc.aio.AioRpcError as exc:
+            # The details (a scheduler's address, a worker lost) are for this log; the client gets
+            # our own message for its code.
+            log.warning("%s: Generate failed%s: %s %s", request_id, " mid-stream" if has_sent else "",
+                        exc.code().name, exc.details())
+            message = client_message(exc.code(), exc.details())
             if not has_sent:
-                raise ServiceError(exc.code(), exc.details() or exc.code().name) from exc
+                raise ServiceError(exc.code(), message) from exc
             code = CODE_TIMEOUT if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED else CODE_GENERATION_FAILED
             for output in outputs:
                 if not output.is_finished:
-                    yield chat_pb2.ChatResponse(
-                        chunk=output.error_chunk(code, exc.details() or exc.code().name))
+                    yield chat_pb2.ChatResponse(chunk=output.error_chunk(code, message))
         finally:
             # Ends the sequence in the scheduler on a stop string or when our caller went away.
             call.cancel()

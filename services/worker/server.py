@@ -22,9 +22,12 @@ log = logging.getLogger(__name__)
 
 
 class _StreamState:
-    """Shared by the steps of one stream: once one fails, the rest are not run."""
+    """Shared by the steps of one stream: once one fails, the rest are not run.
+    `seq_ids`: the sequences its steps started and have not released."""
 
-    failed = False
+    def __init__(self):
+        self.failed = False
+        self.seq_ids: set[int] = set()
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
@@ -60,7 +63,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
     async def StepStream(self, request_iterator, context):
         """Each step goes to the step thread as soon as it arrives (the thread runs
-        them in arrival order), and the answers go back in that order."""
+        them in arrival order), and the answers go back in that order.
+
+        A scheduler drives its sequences on one stream; when the stream ends (the
+        scheduler stopped, was restarted, or found this worker lost) nothing will
+        release the sequences still on it, and a restarted scheduler numbers its
+        sequences from 1 again: they are forgotten, after the stream's last step."""
         state = _StreamState()
         answers: asyncio.Queue[asyncio.Task | None] = asyncio.Queue()
 
@@ -79,6 +87,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             while not answers.empty():
                 if (pending := answers.get_nowait()) is not None:
                     pending.cancel()
+            if state.seq_ids:
+                # On the step thread: after any step of this stream still running there.
+                self._executor.submit(self._forget, sorted(state.seq_ids))
+
+    def _forget(self, seq_ids: list[int]) -> None:
+        if self._runner is not None:
+            for seq_id in seq_ids:
+                self._runner.release(seq_id)
+        log.info("step stream ended: forgot the %d sequences its scheduler left", len(seq_ids))
 
     async def _submit(self, request: worker_pb2.StepRequest, state: _StreamState) -> worker_pb2.StepResponse:
         # Hands the step to the step thread before its first await: steps submitted
@@ -89,6 +106,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         except BaseException:
             state.failed = True
             raise
+        state.seq_ids.difference_update(release_seq_ids)  # released before the step runs its sequences
+        state.seq_ids.update(s.seq_id for s in inputs)
 
         def run() -> worker_pb2.StepResponse:
             if state.failed:

@@ -84,6 +84,11 @@ async def eventually(condition: Callable[[], bool]) -> None:
         await asyncio.sleep(0.01)
 
 
+def sending_tasks() -> list[asyncio.Task]:
+    """grpc.aio's tasks that send a stream's requests from our request iterator."""
+    return [t for t in asyncio.all_tasks() if "_consume_request_iterator" in repr(t.get_coro())]
+
+
 def ask(request_id: str) -> chat_pb2.ChatRequest:
     return chat_pb2.ChatRequest(request_id=request_id)
 
@@ -116,7 +121,7 @@ def test_calls_interleave_and_messages_made_together_travel_together() -> None:
     asyncio.run(scenario())
 
 
-def test_a_failing_call_ends_with_its_status_and_the_others_go_on() -> None:
+def test_a_failing_call_ends_with_its_status_and_the_others_go_on(caplog) -> None:
     async def handle(request):
         yield reply("first")
         if request.request_id == "bad":
@@ -134,7 +139,10 @@ def test_a_failing_call_ends_with_its_status_and_the_others_go_on() -> None:
             assert failed.value.code() == grpc.StatusCode.OUT_OF_RANGE and failed.value.details() == "too long"
             with pytest.raises(grpc.aio.AioRpcError) as internal:
                 await read_all(bug)
-            assert internal.value.code() == grpc.StatusCode.INTERNAL and "boom" in internal.value.details()
+            # The exception's text goes to the log, beside the request's id, not to the caller.
+            assert internal.value.code() == grpc.StatusCode.INTERNAL and internal.value.details() == "internal error"
+            logged = [r for r in caplog.records if r.exc_info and "boom" in str(r.exc_info[1])]
+            assert logged and "for bug" in logged[0].getMessage()
             assert await read_all(good) == ["first", "second"]
             assert await good.read() is grpc.aio.EOF
 
@@ -193,6 +201,10 @@ def test_a_lost_stream_fails_its_calls_and_the_next_call_opens_a_new_one() -> No
                     await call.read()
                 assert lost.value.code() == grpc.StatusCode.UNAVAILABLE and lost.value.details() == "going away"
             assert sorted(service.cancelled) == ["a", "b", "c"]  # the server's handlers were stopped
+            # Nothing is left waiting to send on the lost stream (grpc.aio's task that
+            # reads our requests), to be destroyed pending with it.
+            await eventually(lambda: not sending_tasks())
+            assert not sending_tasks()
             again = calls.start(ask("d"))
             assert (await again.read()).chunk.id == "hi"
             assert service.streams_ended == 1

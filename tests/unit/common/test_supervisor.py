@@ -1,12 +1,25 @@
-"""A service started by the supervisor goes when the supervisor goes, even by SIGKILL."""
+"""The supervisor's Chain: a service that dies is started again after a delay
+that doubles with each crash up to a cap and starts over once the service
+stayed up; a stop ends all that. A service goes when the supervisor goes,
+even by SIGKILL.
+
+The delays run on a fake clock: each test says when `heal` looks, so nothing
+depends on how fast this machine starts a process."""
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+
+import pytest
+
+from services.common import supervisor
+from services.common.supervisor import Chain
 
 SERVICE = """
 import os, sys, time
@@ -59,3 +72,150 @@ def test_a_service_gets_sigterm_when_its_supervisor_is_killed(tmp_path: Path):
     finally:
         supervisor.kill()
         supervisor.wait()
+
+
+# A service that exits at once with the code it is given, or runs until killed.
+TINY_SERVICE = """
+import sys, time
+from services.common.supervisor import exit_with_supervisor
+exit_with_supervisor()
+if sys.argv[1] == "exit":
+    sys.exit(int(sys.argv[2]))
+time.sleep(600)
+"""
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def chain(tmp_path: Path):
+    (tmp_path / "tiny_service.py").write_text(TINY_SERVICE)
+    chain = Chain(env={"PYTHONPATH": str(tmp_path)}, log_dir=tmp_path / "logs", clock=FakeClock())
+    yield chain
+    chain.stop()
+
+
+def kill(chain: Chain, name: str) -> int:
+    proc = chain.procs[name]
+    proc.kill()
+    proc.wait()
+    return proc.pid
+
+
+def test_a_dead_service_restarts_after_a_delay_that_doubles_up_to_the_cap(chain, caplog):
+    caplog.set_level(logging.WARNING, logger="stormserve.supervisor")
+    chain._spawn("service", "tiny_service", "run")
+    delays = []
+    for restart in range(1, 8):
+        old_pid = kill(chain, "service")
+        assert chain.heal() == []  # found dead: its delay starts now
+        died_at = chain.clock.now
+        while not chain.heal():  # looks every 0.5 s until the service is started again
+            chain.clock.now += 0.5
+        delays.append(chain.clock.now - died_at)
+        assert chain.procs["service"].pid != old_pid and chain.procs["service"].poll() is None
+        assert chain.restarts["service"] == restart
+    assert delays == [1, 2, 4, 8, 16, 30, 30]
+    found = [r.getMessage() for r in caplog.records if "restarting it in" in r.getMessage()]
+    assert found[0] == "service was killed by SIGKILL after 0.0 s up; restarting it in 1 s"
+    assert found[-1].endswith("restarting it in 30 s")
+    log = (chain.log_dir / "service.log").read_text()
+    assert log.count("--- service restarted by the supervisor ---") == 7
+
+
+def test_the_delay_starts_over_once_the_service_stayed_up(chain):
+    chain._spawn("service", "tiny_service", "run")
+
+    def restart_delay() -> float:
+        kill(chain, "service")
+        chain.heal()
+        died_at = chain.clock.now
+        while not chain.heal():
+            chain.clock.now += 0.5
+        return chain.clock.now - died_at
+
+    assert [restart_delay(), restart_delay(), restart_delay()] == [1, 2, 4]
+    chain.clock.now += supervisor.STABLE_AFTER_S  # up for a minute: recovered
+    assert restart_delay() == 1
+    assert restart_delay() == 2  # and a new loop doubles again
+
+
+def test_the_exit_code_is_logged_and_each_service_has_its_own_delay(chain, caplog):
+    caplog.set_level(logging.WARNING, logger="stormserve.supervisor")
+    chain._spawn("crashing", "tiny_service", "exit", "3")
+    chain._spawn("steady", "tiny_service", "run")
+    chain.procs["crashing"].wait()
+    assert chain.heal() == []
+    assert "crashing exited with code 3 after" in caplog.text
+    chain.clock.now += 1
+    assert chain.heal() == ["crashing"]  # the steady one is left alone
+    chain.procs["crashing"].wait()
+    chain.heal()
+    kill(chain, "steady")
+    chain.heal()
+    chain.clock.now += 1
+    assert chain.heal() == ["steady"]  # its first crash: 1 s, while the other waits 2 s
+    chain.clock.now += 1
+    assert chain.heal() == ["crashing"]
+
+
+def test_nothing_restarts_after_stop(chain):
+    chain._spawn("service", "tiny_service", "run")
+    kill(chain, "service")
+    chain.heal()
+    chain.stop()
+    chain.clock.now += 100
+    assert chain.heal() == []
+    assert chain.procs["service"].poll() is not None
+    chain.supervise(poll_s=0)  # returns at once: the chain is stopping
+
+
+def test_supervise_heals_in_a_thread_and_stop_ends_it_with_every_service_stopped(tmp_path: Path):
+    """As `make run` runs it (there on the main thread), on the real clock."""
+    (tmp_path / "tiny_service.py").write_text(TINY_SERVICE)
+    chain = Chain(env={"PYTHONPATH": str(tmp_path)}, log_dir=tmp_path / "logs")
+    chain._spawn("service", "tiny_service", "run")
+    loop = threading.Thread(target=chain.supervise, kwargs={"poll_s": 0.05}, daemon=True)
+    loop.start()
+    try:
+        first = kill(chain, "service")
+        assert _wait_for(lambda: chain.procs["service"].pid != first, 120), "the service was not restarted"
+    finally:
+        chain.stop()
+    loop.join(60)
+    assert not loop.is_alive()
+    assert chain.procs["service"].poll() is not None
+
+
+def test_a_stop_during_a_restart_waits_for_it_and_stops_the_new_process(chain, monkeypatch):
+    chain._spawn("service", "tiny_service", "run")
+    kill(chain, "service")
+    chain.heal()
+    chain.clock.now += 1
+    restarting, go = threading.Event(), threading.Event()
+    spawn = chain._spawn
+
+    def slow_spawn(*args):
+        restarting.set()
+        go.wait(60)
+        spawn(*args)
+
+    monkeypatch.setattr(chain, "_spawn", slow_spawn)
+    healer = threading.Thread(target=chain.heal)
+    healer.start()
+    assert restarting.wait(60)
+    stopper = threading.Thread(target=chain.stop)
+    stopper.start()
+    time.sleep(0.2)  # lets stop() get as far as it can while the restart is under way
+    go.set()
+    healer.join(60)
+    stopper.join(60)
+    assert not healer.is_alive() and not stopper.is_alive()
+    assert chain.procs["service"].poll() is not None  # the process the restart started was stopped too
+    assert chain.heal() == []

@@ -70,29 +70,30 @@ def test_invalid_config_is_refused(fields: dict) -> None:
 
 
 @pytest.mark.parametrize(
-    "code,status,error_type,doc_code",
+    "code,status,error_type,doc_code,message",
     [
-        (grpc.StatusCode.INVALID_ARGUMENT, 422, "Input Validation Error", 422),
-        (grpc.StatusCode.NOT_FOUND, 422, "Input Validation Error", 422),
-        (grpc.StatusCode.OUT_OF_RANGE, 424, "Generation Error", 9999),
-        (grpc.StatusCode.UNAVAILABLE, 503, "Service Unavailable", 503),
-        (grpc.StatusCode.RESOURCE_EXHAUSTED, 503, "Service Unavailable", 503),
-        (grpc.StatusCode.DEADLINE_EXCEEDED, 500, "Incomplete Generation", 802),
-        (grpc.StatusCode.UNAUTHENTICATED, 401, "Unauthorized", 801),
-        (grpc.StatusCode.PERMISSION_DENIED, 401, "Unauthorized", 702),
-        (grpc.StatusCode.INTERNAL, 500, "Incomplete Generation", 9999),
-        (grpc.StatusCode.UNKNOWN, 500, "Incomplete Generation", 9999),
+        (grpc.StatusCode.INVALID_ARGUMENT, 422, "Input Validation Error", 422, "details here"),
+        (grpc.StatusCode.NOT_FOUND, 422, "Input Validation Error", 422, "details here"),
+        (grpc.StatusCode.OUT_OF_RANGE, 424, "Generation Error", 9999, "details here"),
+        (grpc.StatusCode.UNAVAILABLE, 503, "Service Unavailable", 503,
+         "the service is temporarily unavailable, retry"),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, 503, "Service Unavailable", 503, "details here"),
+        (grpc.StatusCode.DEADLINE_EXCEEDED, 500, "Incomplete Generation", 802, "the request timed out"),
+        (grpc.StatusCode.UNAUTHENTICATED, 401, "Unauthorized", 801, "details here"),
+        (grpc.StatusCode.PERMISSION_DENIED, 401, "Unauthorized", 702, "details here"),
+        (grpc.StatusCode.INTERNAL, 500, "Incomplete Generation", 9999, "internal error"),
+        (grpc.StatusCode.UNKNOWN, 500, "Incomplete Generation", 9999, "internal error"),
     ],
 )
-def test_grpc_status_mapping(code, status, error_type, doc_code) -> None:
+def test_grpc_status_mapping(code, status, error_type, doc_code, message) -> None:
     error = from_grpc(code, "details here")
     assert (error.status, error.error_type, error.code) == (status, error_type, doc_code)
     assert error.body() == {
-        "error": "details here",
+        "error": message,
         "error_type": error_type,
         "code": doc_code,
         "result": None,
-        "message": "details here",
+        "message": message,
     }
 
 

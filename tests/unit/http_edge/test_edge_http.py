@@ -214,14 +214,15 @@ def test_stream_failure_after_output_is_a_final_error_frame_then_done() -> None:
     events = reply.text.split("\n\n")
     assert events[-2:] == ["data: [DONE]", ""]
     assert json.loads(events[1].removeprefix("data: ")) == {
-        **error_body("scheduler went away", "Service Unavailable", 503), "finish_reason": "stop",
+        **error_body("the service is temporarily unavailable, retry", "Service Unavailable", 503),
+        "finish_reason": "stop",
     }
 
 
 def test_non_stream_failure_after_output_is_an_http_error() -> None:
     app, _ = make_app([text_chunk("Hel"), rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")])
     reply = request(app, "POST", "/v1/chat/completions", json=BODY)
-    assert (reply.status_code, reply.json()) == (500, error_body("Deadline Exceeded", "Incomplete Generation", 802))
+    assert (reply.status_code, reply.json()) == (500, error_body("the request timed out", "Incomplete Generation", 802))
 
 
 async def asgi_post(app, body: dict[str, Any], disconnect_when: asyncio.Event) -> list[dict[str, Any]]:

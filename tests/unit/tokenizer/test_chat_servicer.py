@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
 import pytest
 from transformers import AutoTokenizer
 
@@ -35,6 +36,8 @@ class ScriptedGenerate:
 
     async def _iterate(self):
         for response in self.responses:
+            if isinstance(response, BaseException):
+                raise response  # the call failed
             yield response
 
     def cancel(self) -> bool:
@@ -162,3 +165,37 @@ def test_beam_search_reaches_the_scheduler_and_its_text_level_conflicts_are_refu
     for fields, name in (({"stop": ["."]}, "stop"), ({"tools": [tool]}, "tools")):
         with pytest.raises(ServiceError, match=f"use_beam_search cannot be combined with {name}"):
             chat(tokenizer, ask(use_beam_search=True, max_tokens=8, **fields))
+
+
+# As grpc.aio ends calls on a GenerateStream whose scheduler went away.
+SCHEDULER_DOWN = grpc.aio.AioRpcError(
+    grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+    details="failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:50052: "
+            "Failed to connect to remote host: Connection refused")
+
+
+def chat_failing(tokenizer, after_tokens: int) -> list[chat_pb2.ChatChunk]:
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)[:after_tokens]
+    responses = [scheduler_pb2.GenerateResponse(tokens=[scheduler_pb2.GeneratedToken(token_id=i, batch_size=1)])
+                 for i in ids]
+    scheduler = ScriptedScheduler([*responses, SCHEDULER_DOWN])
+    core = TokenizerCore(TokenizerConfig(model_name="m"), tokenizer, "/models/m", 8192)
+
+    async def collect():
+        return [r.chunk async for r in ChatServicer(core, scheduler).Chat(ask(stream=True, request_id="req-9"), None)]
+
+    return asyncio.run(collect())
+
+
+def test_a_failed_generate_call_reaches_the_client_without_its_details(tokenizer, caplog):
+    # Before any output: the call's status, in our words.
+    with pytest.raises(ServiceError) as caught:
+        chat_failing(tokenizer, after_tokens=0)
+    assert caught.value.code == grpc.StatusCode.UNAVAILABLE
+    assert caught.value.message == "the service is temporarily unavailable, retry"
+    # After some output: a final error chunk, in the same words.
+    *_, last = chat_failing(tokenizer, after_tokens=3)
+    assert (last.error.code, last.error.message) == (9999, "the service is temporarily unavailable, retry")
+    # The details stay in the log, with the request's id.
+    logged = [r.getMessage() for r in caplog.records if "127.0.0.1:50052" in r.getMessage()]
+    assert len(logged) == 2 and all("req-9" in line for line in logged)

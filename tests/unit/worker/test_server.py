@@ -142,3 +142,24 @@ def test_step_stream_ends_at_a_failed_step_and_runs_nothing_after_it(runner: Mod
     error = asyncio.run(_with_server(WorkerServicer(runner), calls))
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "feed_last_sampled" in error.details()
     assert 904 not in runner.sequences
+
+
+def test_the_sequences_a_step_stream_leaves_are_forgotten_when_it_ends(runner: ModelRunner):
+    """A scheduler restarted numbers its sequences from 1 again: a sequence it
+    starts must not meet what the worker kept of the old scheduler's."""
+    def prefill(seq_id: int) -> worker_pb2.StepRequest:
+        return worker_pb2.StepRequest(step_id=1, sequences=[worker_pb2.SequenceStep(
+            seq_id=seq_id, token_ids=[10, 11, 12], sample=True, sampling=_sampling(), block_table=[0])])
+
+    async def calls(stub):
+        stream = stub.StepStream()  # the old scheduler: starts 905, 906, releases 906, then goes
+        await stream.write(worker_pb2.StepStreamRequest(step=prefill(905)))
+        await stream.write(worker_pb2.StepStreamRequest(step=worker_pb2.StepRequest(
+            step_id=2, release_seq_ids=[905], sequences=prefill(906).sequences)))
+        await stream.done_writing()
+        assert [reply.step.step_id async for reply in stream] == [1, 2]
+        return await stub.Step(prefill(906))  # the new one starts its own 906 from scratch
+
+    fresh = asyncio.run(_with_server(WorkerServicer(runner), calls))
+    assert [t.seq_id for t in fresh.tokens] == [906] and 905 not in runner.sequences
+    runner.release(906)

@@ -56,6 +56,12 @@ FIXED_MESSAGES = {
     grpc.StatusCode.UNIMPLEMENTED: "not supported by this server",
 }
 
+# The scheduler's own UNAVAILABLE messages: written for clients and free of
+# addresses, so they are shown where the library's UNAVAILABLE details are not.
+WORKER_LOST = "the worker running this request was lost"
+NO_WORKER_READY = "no worker is ready"
+CLIENT_UNAVAILABLE_MESSAGES = frozenset({WORKER_LOST, NO_WORKER_READY})
+
 # Details only the gRPC library writes: a peer's address (ipv4:1.2.3.4:5,
 # ipv6:[::1]:5, unix:/path, host:port) or its message size limits.
 _LIBRARY_DETAILS = re.compile(
@@ -67,6 +73,8 @@ def client_message(code: grpc.StatusCode, details: str | None) -> str:
     """What a client may read of a status: our own message for the codes we raise
     for clients, else a fixed message for the code. Log `details` beside it."""
     if code in CLIENT_CODES and details and not _LIBRARY_DETAILS.search(details):
+        return details
+    if code == grpc.StatusCode.UNAVAILABLE and details in CLIENT_UNAVAILABLE_MESSAGES:
         return details
     return FIXED_MESSAGES.get(code, INTERNAL_ERROR)
 

@@ -15,6 +15,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from services.common.errors import WORKER_LOST
 from services.scheduler.policy import BatchPolicy, StepPlan, WorkerCapacity
 from services.scheduler.sequence import FinishReason, Sequence, TokenEvent
 from services.scheduler.worker_client import WorkerClient, WorkerError
@@ -29,7 +30,6 @@ def now_us() -> int:
 
 # What a request on a lost worker ends with: its clients need not know which
 # worker that was, the log says (with the request's id).
-WORKER_LOST = "the worker running this request was lost"
 
 
 @dataclass

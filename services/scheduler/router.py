@@ -14,7 +14,7 @@ import itertools
 
 import grpc
 
-from services.common.errors import ServiceError
+from services.common.errors import NO_WORKER_READY, ServiceError
 from services.scheduler.engine import EngineLoop
 from services.scheduler.sequence import Sequence
 
@@ -39,7 +39,7 @@ class Router:
     def place(self, seq: Sequence) -> EngineLoop:
         ready = self.ready_engines
         if not ready:
-            raise ServiceError(grpc.StatusCode.UNAVAILABLE, "no worker is ready")
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, NO_WORKER_READY)
         lowest = min(e.load for e in ready)
         candidates = [e for e in ready if e.load <= lowest + self.max_imbalance]
 

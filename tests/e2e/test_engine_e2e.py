@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from services.common.errors import WORKER_LOST
 from tests.e2e.conftest import MODEL, load_reader, running_chain
 
 QUESTIONS = [
@@ -145,9 +146,9 @@ def test_a_dead_worker_fails_only_its_requests_and_rejoins_when_restarted(two_wo
     failed = [o for o in outcomes if isinstance(o, APIStatusError)]
     assert len(failed) == 1, outcomes
     # 503 when the worker died before the request's first token, else a 500
-    # generation error; either way the body says to retry, and names no worker.
+    # generation error; either way the body says the worker was lost, and names no address.
     body = failed[0].response.text
-    assert failed[0].status_code in (500, 503) and "temporarily unavailable" in body and "127.0.0.1" not in body, body
+    assert failed[0].status_code in (500, 503) and WORKER_LOST in body and "127.0.0.1" not in body, body
     assert sum(o.usage.completion_tokens == 300 for o in outcomes if o not in failed) == 1
 
     # The scheduler keeps serving on the live worker.

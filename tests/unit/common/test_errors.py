@@ -33,7 +33,8 @@ def test_our_messages_for_clients_pass_through(code, details):
 @pytest.mark.parametrize("code,details,shown", [
     (grpc.StatusCode.UNAVAILABLE, CONNECT_FAILED, "the service is temporarily unavailable, retry"),
     (grpc.StatusCode.UNAVAILABLE, "the worker running this request was lost",
-     "the service is temporarily unavailable, retry"),
+     "the worker running this request was lost"),
+    (grpc.StatusCode.UNAVAILABLE, "no worker is ready", "no worker is ready"),
     (grpc.StatusCode.INTERNAL, "internal error: KeyError: 'x'", "internal error"),
     (grpc.StatusCode.UNKNOWN, "Exception calling application: boom", "internal error"),
     (grpc.StatusCode.DATA_LOSS, "lost", "internal error"),
@@ -41,7 +42,7 @@ def test_our_messages_for_clients_pass_through(code, details):
     (grpc.StatusCode.UNIMPLEMENTED, "Method not found!", "not supported by this server"),
     (grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded", "the request timed out"),
 ])
-def test_other_codes_read_as_a_fixed_message(code, details, shown):
+def test_other_codes_read_as_a_fixed_message_or_the_schedulers_own_words(code, details, shown):
     assert client_message(code, details) == shown
 
 

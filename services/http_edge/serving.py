@@ -40,6 +40,7 @@ from services.http_edge.errors import (
     invalid_input,
     request_timeout,
 )
+from services.http_edge.fingerprint import system_fingerprint
 from services.http_edge.protocol import ChatCompletionRequest
 from services.http_edge.render import CompletionBuilder, ReplyContext, chunk_json, finish_reason
 from services.http_edge.streaming import (
@@ -235,7 +236,7 @@ class ChatCompletions:
         except ClientDisconnect:
             return Response(status_code=CLIENT_CLOSED)
         chat = parse_chat_request(body)
-        await self.backend.require_model(chat.model)
+        model = await self.backend.require_model(chat.model)
         grpc_request = to_chat_request(chat, arrival_time_us=arrival_us)
         ctx = ReplyContext(
             request_id=grpc_request.request_id,
@@ -243,6 +244,7 @@ class ChatCompletions:
             created=arrival_us // 1_000_000,
             include_logprobs=chat.wants_logprobs,
             null_usage=chat.stream and chat.include_usage is True,
+            system_fingerprint=system_fingerprint(model.id, model.root),
         )
         call = self.backend.chat(grpc_request, deadline.remaining_s())
         handed_off = False

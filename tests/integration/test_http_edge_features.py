@@ -161,7 +161,8 @@ def test_api_keys_guard_every_route_but_health(tmp_path) -> None:
     async def scenario() -> None:
         async with backend() as chat, edge_client(chat.port, api_keys=("k1", "k2"),
                                                   api_key_file=str(key_file)) as client:
-            for method, path in (("POST", "/v1/chat/completions"), ("GET", "/v1/models"), ("GET", "/v1/models/m")):
+            for method, path in (("POST", "/v1/chat/completions"), ("GET", "/v1/models"), ("GET", "/v1/models/m"),
+                                 ("GET", "/openapi.json"), ("GET", "/docs")):
                 def send(headers: dict[str, str]) -> Any:
                     return client.request(method, path, json=BODY, headers=headers)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -54,6 +55,7 @@ from services.http_edge.streaming import (
 log = logging.getLogger(__name__)
 
 MAX_JSON_DEPTH = 32  # MindIE drops subtrees deeper than 10; we refuse absurd nesting instead
+_DOUBLE_MAX = int(sys.float_info.max)
 DEADLINE_SLACK_S = 0.05
 CLIENT_CLOSED = 499  # nobody reads it; the status only shows up in access logs
 
@@ -115,7 +117,8 @@ def _shown(key: str, limit: int = 64) -> str:
 
 def _check_tree(data: dict[str, Any]) -> None:
     """One walk of the parsed body for what the models cannot see: nesting depth,
-    duplicate keys, and strings (keys included) that are not valid Unicode.
+    duplicate keys, strings (keys included) that are not valid Unicode, and
+    integers no double can hold (`1e400` already parses as a float infinity).
     A failure names the field path, as validation errors do."""
     stack: list[tuple[Any, tuple[str | int, ...]]] = [(data, ())]
     while stack:
@@ -141,6 +144,9 @@ def _check_tree(data: dict[str, Any]) -> None:
                     raise invalid_input(f"{field_path((*loc, name))} is not valid Unicode (a lone surrogate)")
             elif isinstance(child, (dict, list)):
                 stack.append((child, (*loc, name)))
+            elif type(child) is int and not -_DOUBLE_MAX <= child <= _DOUBLE_MAX:
+                # Free-form objects travel as protobuf Structs, whose numbers are doubles.
+                raise invalid_input(f"{field_path((*loc, name))} is out of range: a number must fit a double")
 
 
 def parse_chat_request(body: bytes) -> ChatCompletionRequest:

@@ -346,3 +346,20 @@ def test_duplicate_keys_are_422_naming_the_key(raw: bytes, message: str) -> None
     with pytest.raises(EdgeError) as caught:
         parse_chat_request(raw)
     assert (caught.value.status, caught.value.message) == (422, message)
+
+
+@pytest.mark.parametrize(
+    "data,path",
+    [
+        (body(chat_template_kwargs={"x": 10**400}), "chat_template_kwargs.x"),
+        (body(tools=[{**TOOL, "function": {**TOOL["function"], "parameters": {"maximum": -(10**400)}}}]),
+         "tools[0].function.parameters.maximum"),
+        (body(max_tokens=10**400), "max_tokens"),
+    ],
+)
+def test_integers_past_a_double_are_422(data: dict[str, Any], path: str) -> None:
+    # Free-form objects become protobuf Structs, whose numbers are doubles: this was a 500 OverflowError.
+    with pytest.raises(EdgeError) as caught:
+        parse(data)
+    assert (caught.value.status, caught.value.message) == (422, f"{path} is out of range: a number must fit a double")
+    assert parse(body(chat_template_kwargs={"x": 2**64})).chat_template_kwargs == {"x": 2**64}

@@ -24,7 +24,8 @@ class Shape(BaseModel):
 
 
 class ErrorBody(Shape):
-    """Every failure (reference §9.1): MindIE's `error`/`error_type` with the product page's `code`/`result`/`message`."""
+    """Every failure (reference §9.1): MindIE's `error`/`error_type` with the
+    product page's `code`/`result`/`message`."""
 
     error: str
     error_type: str = Field(description="e.g. Input Validation Error, Service Unavailable, Unauthorized")

@@ -220,8 +220,9 @@ BASE = {
         {"role": "user", "content": "Again?"},
     ],
     "stop": ["zz", "yy"],
-    "tools": [{"type": "function", "function": {"name": "ping", "description": "Check the line.",
-                                                "parameters": {"type": "object", "properties": {"x": {"type": "string"}}}}}],
+    "tools": [{"type": "function", "function": {
+        "name": "ping", "description": "Check the line.",
+        "parameters": {"type": "object", "properties": {"x": {"type": "string"}}}}}],
     "tool_choice": "auto",
     "response_format": {"type": "json_schema", "json_schema": {"name": "out", "description": "Any object.",
                                                                "schema": {"type": "object"}}},

@@ -39,7 +39,8 @@ def test_stream_chunk_matches_the_documented_example_shape() -> None:
     rendered = chunk_json(chunk("Hello"), CTX)
     assert json.dumps(rendered, separators=(",", ":")) == (
         '{"id":"chatcmpl-1","object":"chat.completion.chunk","created":1700000000,"model":"m",'
-        '"system_fingerprint":"fp_0123456789","choices":[{"index":0,"delta":{"role":"assistant","content":"Hello"},"finish_reason":null}]}'
+        '"system_fingerprint":"fp_0123456789",'
+        '"choices":[{"index":0,"delta":{"role":"assistant","content":"Hello"},"finish_reason":null}]}'
     )
 
 

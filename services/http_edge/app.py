@@ -4,6 +4,8 @@
     GET  /v1/models             ListModels, cached briefly
     GET  /v1/models/{model}     one model, or 404
     GET  /health                200 (empty body) when ChatService is SERVING, else 503
+    GET  /openapi.json          the OpenAPI document (openapi.py)
+    GET  /docs                  Swagger UI on /openapi.json
 
 With API keys configured every route but /health needs `Authorization: Bearer`
 (auth.py); load balancers probe /health without credentials.
@@ -18,6 +20,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from stormserve.chat.v1 import chat_pb2
 
+from services.http_edge import openapi
 from services.http_edge.auth import ApiKeyCheck, load_api_keys
 from services.http_edge.backend import ChatBackend
 from services.http_edge.config import EdgeConfig
@@ -47,7 +50,9 @@ def create_app(config: EdgeConfig, backend: ChatBackend | None = None) -> FastAP
 
     app = FastAPI(
         title="stormserve http_edge",
+        description="OpenAI/DeepSeek/MindIE-compatible chat completions.",
         lifespan=lifespan,
+        # FastAPI's own /docs and /openapi.json take no dependencies; ours below check the key.
         docs_url=None,
         redoc_url=None,
         openapi_url=None,
@@ -56,29 +61,38 @@ def create_app(config: EdgeConfig, backend: ChatBackend | None = None) -> FastAP
     app.state.backend = backend
     install_error_handlers(app)
     chat_completions = ChatCompletions(config, backend)
+    api_keys = load_api_keys(config)
     # Runs before the body is read: an unauthenticated client cannot make us buffer 40 MiB.
-    keyed = [Depends(ApiKeyCheck(load_api_keys(config)))]
+    keyed = [Depends(ApiKeyCheck(api_keys))]
 
-    @app.post("/v1/chat/completions", dependencies=keyed)
+    @app.post("/v1/chat/completions", dependencies=keyed, openapi_extra=openapi.CHAT_COMPLETIONS)
     async def create_chat_completion(request: Request) -> Response:
         return await chat_completions(request)
 
-    @app.get("/v1/models", dependencies=keyed)
+    @app.get("/v1/models", dependencies=keyed, openapi_extra=openapi.LIST_MODELS)
     async def list_models() -> JSONResponse:
         models = await backend.served_models()
         return JSONResponse({"object": "list", "data": [model_json(m) for m in models]})
 
-    @app.get("/v1/models/{model_id}", dependencies=keyed)
+    @app.get("/v1/models/{model_id}", dependencies=keyed, openapi_extra=openapi.GET_MODEL)
     async def get_model(model_id: str) -> JSONResponse:
         for model in await backend.served_models():
             if model.id == model_id:
                 return JSONResponse(model_json(model))
         raise EdgeError(404, "NotFoundError", f"Model {model_id} not found.")
 
-    @app.get("/health")
+    @app.get("/health", openapi_extra=openapi.HEALTH)
     async def health() -> Response:
         if await backend.is_serving():
             return Response(status_code=200)
         raise unavailable("ChatService is not serving")
+
+    @app.get(openapi.OPENAPI_URL, dependencies=keyed, include_in_schema=False)
+    async def openapi_json() -> JSONResponse:
+        return JSONResponse(openapi.openapi_document(app, keyed=bool(api_keys)))
+
+    @app.get("/docs", dependencies=keyed, include_in_schema=False)
+    async def docs() -> Response:
+        return openapi.swagger_page(app)
 
     return app

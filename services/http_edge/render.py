@@ -1,6 +1,7 @@
 """`ChatChunk` -> the documented JSON: one `chat.completion.chunk` per chunk
 when streaming, or the chunks of a request folded into one `chat.completion`.
 A usage-only chunk (stream_options.include_usage) renders as `"choices":[]`.
+Every object carries `system_fingerprint` after `model` (DeepSeek's order).
 
 Shapes follow api-docs 000/001 and reference §2: `delta.role` is always
 "assistant", `logprobs` appears only when the request asked for it, `usage`
@@ -35,6 +36,8 @@ class ReplyContext:
     model: str
     created: int  # arrival, Unix seconds
     include_logprobs: bool = False
+    # fingerprint.py; a chunk that carries its own wins.
+    system_fingerprint: str = ""
     # stream_options.include_usage true: chunks without usage say `"usage": null`
     # (DeepSeek/OpenAI), the extra last chunk carries it.
     null_usage: bool = False
@@ -118,8 +121,7 @@ def chunk_json(chunk: chat_pb2.ChatChunk, ctx: ReplyContext) -> dict[str, Any]:
         "created": chunk.created or ctx.created,
         "model": chunk.model or ctx.model,
     }
-    if chunk.system_fingerprint:
-        out["system_fingerprint"] = chunk.system_fingerprint
+    out["system_fingerprint"] = chunk.system_fingerprint or ctx.system_fingerprint
     if chunk.HasField("full_text"):
         out["full_text"] = chunk.full_text
     if chunk.HasField("usage"):
@@ -187,7 +189,7 @@ class CompletionBuilder:
         self.id = ctx.request_id
         self.created = ctx.created
         self.model = ctx.model
-        self.system_fingerprint = ""
+        self.system_fingerprint = ctx.system_fingerprint
         self.prefill_time: float | None = None
         self.request_usage: chat_pb2.Usage | None = None  # a usage-only chunk
         self.choices: dict[int, _ChoiceState] = {}
@@ -227,11 +229,9 @@ class CompletionBuilder:
                 }
             )
         out: dict[str, Any] = {
-            "id": self.id, "object": "chat.completion", "created": self.created, "model": self.model
+            "id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
+            "system_fingerprint": self.system_fingerprint, "choices": choices,
         }
-        if self.system_fingerprint:
-            out["system_fingerprint"] = self.system_fingerprint
-        out["choices"] = choices
         out["usage"] = self._usage()
         out["prefill_time"] = None if self.prefill_time is None else _whole_ms(self.prefill_time)
         longest = max((s.decode_time_arr for s in self.choices.values()), key=len, default=[])

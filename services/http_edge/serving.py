@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import sys
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -36,6 +37,7 @@ from services.http_edge.errors import (
     EdgeError,
     body_too_large,
     describe_validation,
+    field_path,
     from_chat_error,
     from_rpc_error,
     invalid_input,
@@ -43,6 +45,7 @@ from services.http_edge.errors import (
     request_timeout,
     unsupported_media_type,
 )
+from services.http_edge.fingerprint import system_fingerprint
 from services.http_edge.protocol import ChatCompletionRequest
 from services.http_edge.render import CompletionBuilder, ReplyContext, chunk_json, finish_reason
 from services.http_edge.streaming import (
@@ -56,6 +59,7 @@ from services.http_edge.streaming import (
 log = logging.getLogger(__name__)
 
 MAX_JSON_DEPTH = 32  # MindIE drops subtrees deeper than 10; we refuse absurd nesting instead
+_DOUBLE_MAX = int(sys.float_info.max)
 DEADLINE_SLACK_S = 0.05
 CLIENT_CLOSED = 499  # nobody reads it; the status only shows up in access logs
 
@@ -95,28 +99,88 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
-def _depth(value: Any) -> int:
-    deepest, stack = 0, [(value, 1)]
+class _JsonObject(dict):
+    """A parsed JSON object that remembers the first key it saw twice: the
+    decoder would keep the last value silently, and which one the client meant
+    is anybody's guess."""
+
+    __slots__ = ("duplicate",)
+
+    def __init__(self, pairs: list[tuple[str, Any]]):
+        super().__init__(pairs)
+        self.duplicate: str | None = None
+        if len(self) != len(pairs):
+            seen: set[str] = set()
+            for key, _ in pairs:
+                if key in seen:
+                    self.duplicate = key
+                    break
+                seen.add(key)
+
+
+def _is_unicode(text: str) -> bool:
+    """False for a lone surrogate (`"\\ud800"` is a valid JSON escape but no character):
+    protobuf, the tokenizer and our own JSON replies cannot encode it."""
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _shown(key: str, limit: int = 64) -> str:
+    """A client's key for an error message: JSON-quoted, escaped, cut short."""
+    quoted = json.dumps(key[:limit])
+    return quoted if len(key) <= limit else quoted[:-1] + '..."'
+
+
+def _check_tree(data: dict[str, Any]) -> None:
+    """One walk of the parsed body for what the models cannot see: nesting depth,
+    duplicate keys, strings (keys included) that are not valid Unicode, and
+    integers no double can hold (`1e400` already parses as a float infinity).
+    A failure names the field path, as validation errors do."""
+    stack: list[tuple[Any, tuple[str | int, ...]]] = [(data, ())]
     while stack:
-        node, depth = stack.pop()
-        deepest = max(deepest, depth)
-        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
-        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
-    return deepest
+        node, loc = stack.pop()
+        if len(loc) >= MAX_JSON_DEPTH:
+            raise invalid_input(f"{PARSE_FAILED}: nesting deeper than {MAX_JSON_DEPTH} levels")
+        if isinstance(node, dict):
+            for key in node:
+                if not _is_unicode(key):
+                    where = field_path(loc) or "the body"
+                    raise invalid_input(f"{where} has a key that is not valid Unicode (a lone surrogate)")
+            if getattr(node, "duplicate", None) is not None:
+                where = field_path(loc) or "the body"
+                raise invalid_input(f"duplicate key {_shown(node.duplicate)} in {where}")
+            children = node.items()
+        elif isinstance(node, list):
+            children = enumerate(node)
+        else:
+            continue
+        for name, child in children:
+            if isinstance(child, str):
+                if not _is_unicode(child):
+                    raise invalid_input(f"{field_path((*loc, name))} is not valid Unicode (a lone surrogate)")
+            elif isinstance(child, (dict, list)):
+                stack.append((child, (*loc, name)))
+            elif type(child) is int and not -_DOUBLE_MAX <= child <= _DOUBLE_MAX:
+                # Free-form objects travel as protobuf Structs, whose numbers are doubles.
+                raise invalid_input(f"{field_path((*loc, name))} is out of range: a number must fit a double")
 
 
 def parse_chat_request(body: bytes) -> ChatCompletionRequest:
     """Body bytes -> a validated request; every failure is a 422 with the merged body."""
     try:
-        data = json.loads(body.decode("utf-8"), parse_constant=_reject_constant)
+        data = json.loads(body.decode("utf-8"), parse_constant=_reject_constant, object_pairs_hook=_JsonObject)
     except UnicodeDecodeError:
         raise invalid_input(f"{PARSE_FAILED}: the body is not valid UTF-8") from None
     except (ValueError, RecursionError) as exc:
         raise invalid_input(f"{PARSE_FAILED}: {exc}") from None
     if not isinstance(data, dict):
         raise invalid_input(f"{PARSE_FAILED}: the body must be a JSON object")
-    if _depth(data) > MAX_JSON_DEPTH:
-        raise invalid_input(f"{PARSE_FAILED}: nesting deeper than {MAX_JSON_DEPTH} levels")
+    _check_tree(data)
     try:
         return ChatCompletionRequest.model_validate(data)
     except ValidationError as exc:
@@ -201,7 +265,7 @@ class ChatCompletions:
         except ClientDisconnect:
             return Response(status_code=CLIENT_CLOSED)
         chat = parse_chat_request(body)
-        await self.backend.require_model(chat.model)
+        model = await self.backend.require_model(chat.model)
         grpc_request = to_chat_request(chat, arrival_time_us=arrival_us)
         ctx = ReplyContext(
             request_id=grpc_request.request_id,
@@ -209,6 +273,7 @@ class ChatCompletions:
             created=arrival_us // 1_000_000,
             include_logprobs=chat.wants_logprobs,
             null_usage=chat.stream and chat.include_usage is True,
+            system_fingerprint=system_fingerprint(model.id, model.root),
         )
         # A stream is read as fast as the client takes it: bound what waits for a slow reader.
         buffer_bytes = self.config.stream_buffer_kib * 1024 if chat.stream else None

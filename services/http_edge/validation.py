@@ -4,10 +4,12 @@ messages, and unions chosen by JSON kind."""
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, model_validator
-from pydantic_core import PydanticCustomError
+from pydantic import BaseModel, ConfigDict, Discriminator, GetCoreSchemaHandler, GetJsonSchemaHandler, model_validator
+from pydantic.json_schema import JsonSchemaValue
+from pydantic_core import CoreSchema, PydanticCustomError, core_schema
 
 # Union members are chosen by JSON kind; their tags appear in error locations
 # and are dropped by errors.py (every tag is wrapped in <>).
@@ -37,7 +39,21 @@ def _fmt(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else str(x)
 
 
-def in_range(lo: float, hi: float, *, lo_open: bool = False, message: str | None = None):
+class _Check:
+    """An after-validator that also states its rule in the JSON schema (/openapi.json)."""
+
+    def __init__(self, check: Callable[[Any], Any], schema: dict[str, Any]):
+        self.check = check
+        self.schema = schema
+
+    def __get_pydantic_core_schema__(self, source: Any, handler: GetCoreSchemaHandler) -> CoreSchema:
+        return core_schema.no_info_after_validator_function(self.check, handler(source))
+
+    def __get_pydantic_json_schema__(self, schema: CoreSchema, handler: GetJsonSchemaHandler) -> JsonSchemaValue:
+        return {**handler(schema), **self.schema}
+
+
+def in_range(lo: float, hi: float, *, lo_open: bool = False, message: str | None = None) -> _Check:
     """Closed range check [lo, hi] (or (lo, hi] with lo_open) with a readable message."""
     text = message or f"must be in {'(' if lo_open else '['}{_fmt(lo)}, {_fmt(hi)}]"
 
@@ -46,10 +62,10 @@ def in_range(lo: float, hi: float, *, lo_open: bool = False, message: str | None
             return value
         raise ValueError(text)
 
-    return AfterValidator(check)
+    return _Check(check, {"exclusiveMinimum" if lo_open else "minimum": lo, "maximum": hi})
 
 
-def matches(pattern: re.Pattern[str], message: str):
+def matches(pattern: re.Pattern[str], message: str) -> _Check:
     """Whole-string pattern check; `message` names the rule."""
 
     def check(value: str) -> str:
@@ -57,7 +73,7 @@ def matches(pattern: re.Pattern[str], message: str):
             return value
         raise ValueError(message)
 
-    return AfterValidator(check)
+    return _Check(check, {"pattern": f"^{pattern.pattern}$"})
 
 
 class StrictModel(BaseModel):

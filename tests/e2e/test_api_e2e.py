@@ -113,7 +113,8 @@ def test_full_text_enabled_streams_the_text_so_far(configured):
     for shorter, longer in zip(contents, contents[1:]):
         assert longer.startswith(shorter)
     last = chunks[-1]
-    assert list(last) == ["id", "object", "created", "model", "full_text", "usage", "choices"]
+    assert list(last) == ["id", "object", "created", "model", "system_fingerprint", "full_text", "usage",
+                          "choices"]
     assert last["full_text"] == contents[-1] != ""
     assert all("full_text" not in c for c in chunks[:-1])
     # Non-stream replies are unaffected: the same greedy text, no full_text.

@@ -25,6 +25,7 @@ from services.common.errors import ServiceError
 from services.common.multiplex import multiplexed_method
 from services.http_edge.app import create_app
 from services.http_edge.config import EdgeConfig
+from services.http_edge.fingerprint import system_fingerprint
 
 Script = Callable[[chat_pb2.ChatRequest], AsyncIterator[chat_pb2.ChatChunk]]
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -181,6 +182,7 @@ def test_non_stream_reply_has_the_documented_shape() -> None:
                 "object": "chat.completion",
                 "created": sent.arrival_time_us // 1_000_000,
                 "model": "m",
+                "system_fingerprint": system_fingerprint("m", "/models/m"),
                 "choices": [{
                     "index": 0,
                     "message": {"role": "assistant", "content": "Hello there", "tool_calls": []},
@@ -235,11 +237,11 @@ def test_stream_framing_byte_for_byte() -> None:
                                      delta=chat_pb2.ChatDelta(role="assistant", content="ü"),
                                      finish_reason=chat_pb2.FINISH_REASON_STOP)])
 
+    head = ('data: {"id":"chatcmpl-fixed","object":"chat.completion.chunk","created":1729614610,"model":"m",'
+            f'"system_fingerprint":"{system_fingerprint("m", "/models/m")}",')
     expected = (
-        'data: {"id":"chatcmpl-fixed","object":"chat.completion.chunk","created":1729614610,"model":"m",'
-        '"choices":[{"index":0,"delta":{"role":"assistant","content":"Hi\\n"},"finish_reason":null}]}\n\n'
-        'data: {"id":"chatcmpl-fixed","object":"chat.completion.chunk","created":1729614610,"model":"m",'
-        '"usage":{"prompt_tokens":3,"prompt_tokens_details":{"cached_tokens":0},"completion_tokens":1,'
+        head + '"choices":[{"index":0,"delta":{"role":"assistant","content":"Hi\\n"},"finish_reason":null}]}\n\n'
+        + head + '"usage":{"prompt_tokens":3,"prompt_tokens_details":{"cached_tokens":0},"completion_tokens":1,'
         '"total_tokens":4,"batch_size":[1],"queue_wait_time":[5318]},'
         '"choices":[{"index":0,"delta":{"role":"assistant","content":"ü"},"finish_reason":"stop"}]}\n\n'
         "data: [DONE]\n\n"

@@ -12,6 +12,8 @@ import openai
 import pytest
 from stormserve.chat.v1 import chat_pb2
 
+from services.http_edge.fingerprint import system_fingerprint
+
 from tests.integration.test_http_edge import (
     BODY,
     backend,
@@ -67,7 +69,8 @@ def test_include_usage_frames_byte_for_byte() -> None:
             first, final, usage, done = reply.text.split("\n\n")[:4]
             sent = chat.fake.requests[0]
             head = (f'{{"id":"{sent.request_id}","object":"chat.completion.chunk",'
-                    f'"created":{sent.arrival_time_us // 1_000_000},"model":"m",')
+                    f'"created":{sent.arrival_time_us // 1_000_000},"model":"m",'
+                    f'"system_fingerprint":"{system_fingerprint("m", "/models/m")}",')
             assert first.startswith(f"data: {head}" + '"usage":null,"choices":[{"index":0,')
             assert final.startswith(f"data: {head}" + '"usage":null,"choices":[{"index":0,')
             assert final.endswith('"finish_reason":"stop"}]}')
@@ -132,9 +135,13 @@ def test_full_text_frames_have_the_pages_shape() -> None:
             reply = await client.post("/v1/chat/completions", json={**STREAM, "model": "m"})
             events = reply.text.split("\n\n")
             assert events[1] == ('data: {"id":"endpoint_common_11","object":"chat.completion.chunk",'
-                                 '"created":1730184192,"model":"DeepSeek-R1","choices":[{"index":0,"delta":'
+                                 '"created":1730184192,"model":"DeepSeek-R1",'
+                                 f'"system_fingerprint":"{system_fingerprint("m", "/models/m")}",'
+                                 '"choices":[{"index":0,"delta":'
                                  '{"role":"assistant","content":"Hello!"},"finish_reason":null}]}')
             ours = json.loads(events[2].removeprefix("data: "))
+            # The product page has no system_fingerprint; DeepSeek's requires it.
+            assert ours.pop("system_fingerprint") == system_fingerprint("m", "/models/m")
             page = json.loads(PAGE_FINAL)
             assert list(ours) == list(page)  # same keys in the same order
             extra = {"prompt_tokens_details": {"cached_tokens": 0}, "batch_size": [], "queue_wait_time": []}
@@ -154,7 +161,8 @@ def test_api_keys_guard_every_route_but_health(tmp_path) -> None:
     async def scenario() -> None:
         async with backend() as chat, edge_client(chat.port, api_keys=("k1", "k2"),
                                                   api_key_file=str(key_file)) as client:
-            for method, path in (("POST", "/v1/chat/completions"), ("GET", "/v1/models"), ("GET", "/v1/models/m")):
+            for method, path in (("POST", "/v1/chat/completions"), ("GET", "/v1/models"), ("GET", "/v1/models/m"),
+                                 ("GET", "/openapi.json"), ("GET", "/docs")):
                 def send(headers: dict[str, str]) -> Any:
                     return client.request(method, path, json=BODY, headers=headers)
 

@@ -280,3 +280,72 @@ def test_client_disconnect_mid_stream_cancels_the_call_and_stops_writing() -> No
         assert bodies.count(b"data: ") == 1 and b"[DONE]" not in bodies
 
     asyncio.run(scenario())
+
+
+def test_lone_surrogate_is_422_not_500() -> None:
+    app, backend = make_app([text_chunk("ok", chat_pb2.FINISH_REASON_STOP)])
+    raw = json.dumps({**BODY, "messages": [{"role": "user", "content": "A\ud800B"}]}).encode()
+    assert b"\\ud800" in raw  # the escape is valid JSON
+    reply = request(app, "POST", "/v1/chat/completions", content=raw)
+    assert (reply.status_code, reply.json()) == (
+        422, error_body("messages[0].content is not valid Unicode (a lone surrogate)", "Input Validation Error", 422)
+    )
+    assert backend.calls == []
+
+
+def test_duplicate_key_is_422() -> None:
+    app, backend = make_app([text_chunk("ok", chat_pb2.FINISH_REASON_STOP)])
+    raw = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": true, "stream": false}'
+    reply = request(app, "POST", "/v1/chat/completions", content=raw)
+    assert (reply.status_code, reply.json()) == (
+        422, error_body('duplicate key "stream" in the body', "Input Validation Error", 422)
+    )
+    assert backend.calls == []
+
+
+def _refs(node: Any) -> list[str]:
+    if isinstance(node, dict):
+        own = [node["$ref"]] if "$ref" in node else []
+        return own + [r for v in node.values() for r in _refs(v)]
+    return [r for v in node for r in _refs(v)] if isinstance(node, list) else []
+
+
+def test_openapi_describes_the_raw_body_routes() -> None:
+    app, _ = make_app([])
+    reply = request(app, "GET", "/openapi.json")
+    assert reply.status_code == 200
+    doc = reply.json()
+    assert doc["openapi"].startswith("3.") and doc["info"]["version"] == "0.1.0"
+    assert "security" not in doc  # no keys configured
+    post = doc["paths"]["/v1/chat/completions"]["post"]
+    schema = "#/components/schemas/{}".format
+    assert post["requestBody"]["content"]["application/json"]["schema"] == {"$ref": schema("ChatCompletionRequest")}
+    ok = post["responses"]["200"]["content"]
+    assert ok["application/json"]["schema"] == {"$ref": schema("ChatCompletion")}
+    assert {"$ref": schema("ChatCompletionChunk")} in ok["text/event-stream"]["schema"]["oneOf"]
+    assert post["responses"]["422"]["content"]["application/json"]["schema"] == {"$ref": schema("ErrorBody")}
+    models = doc["paths"]["/v1/models"]["get"]["responses"]["200"]["content"]["application/json"]["schema"]
+    assert models == {"$ref": schema("ModelList")}
+    components = doc["components"]["schemas"]
+    assert {r.rsplit("/", 1)[1] for r in _refs(doc)} <= set(components)  # every reference resolves
+    assert "HTTPValidationError" not in components  # FastAPI's 422 body is not ours
+    request_schema = components["ChatCompletionRequest"]
+    assert request_schema["required"] == ["model", "messages"]
+    assert {"maximum": 2, "minimum": 0, "type": "number"} in request_schema["properties"]["temperature"]["anyOf"]
+    assert components["ChatCompletion"]["properties"]["system_fingerprint"]["type"] == "string"
+    assert components["ChatCompletionChunk"]["additionalProperties"] is False
+    assert set(doc["paths"]) == {"/v1/chat/completions", "/v1/models", "/v1/models/{model_id}", "/health"}
+
+
+def test_docs_page_and_keyed_openapi() -> None:
+    app, _ = make_app([], api_keys=("k1",))
+    assert request(app, "GET", "/openapi.json").status_code == 401
+    assert request(app, "GET", "/docs").status_code == 401
+    keyed = {"Authorization": "Bearer k1"}
+    page = request(app, "GET", "/docs", headers=keyed)
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "swagger-ui" in page.text and "'/openapi.json'" in page.text
+    doc = request(app, "GET", "/openapi.json", headers=keyed).json()
+    assert doc["components"]["securitySchemes"] == {"apiKey": {"type": "http", "scheme": "bearer"}}
+    assert doc["security"] == [{"apiKey": []}]
+    assert doc["paths"]["/health"]["get"]["security"] == []  # probes need no key

@@ -276,3 +276,90 @@ def test_unparseable_bodies_are_422(raw: bytes, reason: str) -> None:
     assert caught.value.status == 422
     assert caught.value.message.startswith("Failed to parse request context to json")
     assert reason in caught.value.message
+
+
+LONE = "A\ud800B"  # a valid JSON escape ("A\\ud800B"), but no Unicode string
+
+
+@pytest.mark.parametrize(
+    "data,path",
+    [
+        (body(model=LONE), "model"),
+        (body(messages=[{"role": "user", "content": LONE}]), "messages[0].content"),
+        (body(messages=[USER, {"role": "user", "content": [{"type": "text", "text": LONE}]}]),
+         "messages[1].content[0].text"),
+        (body(messages=[{"role": "user", "content": "hi", "name": LONE}]), "messages[0].name"),
+        (body(messages=[{"role": "assistant", "tool_calls": [CALL]},
+                        {"role": "tool", "content": "x", "tool_call_id": LONE}]), "messages[1].tool_call_id"),
+        (body(messages=[{"role": "assistant", "content": "a", "reasoning_content": "\udfff"}]),
+         "messages[0].reasoning_content"),
+        (body(stop=LONE), "stop"),
+        (body(stop=["ok", LONE]), "stop[1]"),
+        (body(tools=[{**TOOL, "function": {**TOOL["function"], "description": LONE}}]),
+         "tools[0].function.description"),
+        (body(chat_template_kwargs={"deep": [{"x": LONE}]}), "chat_template_kwargs.deep[0].x"),
+        (body(unknown_field=LONE), "unknown_field"),  # ignored fields are checked too
+        (body(tool_choice=LONE), "tool_choice"),
+    ],
+)
+def test_lone_surrogates_are_422_naming_the_field(data: dict[str, Any], path: str) -> None:
+    with pytest.raises(EdgeError) as caught:
+        parse(data)
+    assert caught.value.status == 422
+    assert caught.value.message == f"{path} is not valid Unicode (a lone surrogate)"
+    caught.value.response()  # the message itself renders
+    # A surrogate pair is one character: the decoder joins "\ud83d\ude00" into U+1F600.
+    paired = parse_chat_request(b'{"model": "m", "messages": [{"role": "user", "content": "\\ud83d\\ude00"}]}')
+    assert paired.messages[0].content == "\U0001F600"
+
+
+@pytest.mark.parametrize(
+    "data,where",
+    [
+        ({**BASE, LONE: 1}, "the body"),
+        (body(chat_template_kwargs={"ok": {"\ud800": True}}), "chat_template_kwargs.ok"),
+    ],
+)
+def test_keys_that_are_not_unicode_are_422(data: dict[str, Any], where: str) -> None:
+    with pytest.raises(EdgeError) as caught:
+        parse(data)
+    assert caught.value.message == f"{where} has a key that is not valid Unicode (a lone surrogate)"
+
+
+@pytest.mark.parametrize(
+    "raw,message",
+    [
+        (b'{"model": "m", "model": "m", "messages": [{"role": "user", "content": "hi"}]}',
+         'duplicate key "model" in the body'),
+        (b'{"model": "m", "messages": [{"role": "user", "content": "a", "content": "b"}]}',
+         'duplicate key "content" in messages[0]'),
+        (b'{"model": "m", "messages": [{"role": "user", "content": "hi"}],'
+         b' "chat_template_kwargs": {"x": [{"y": 1, "y": 1}]}}',
+         'duplicate key "y" in chat_template_kwargs.x[0]'),
+        (b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "junk": {"a": 1, "a": 2}}',
+         'duplicate key "a" in junk'),
+        (b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "' + b"k" * 100 + b'": 1, "'
+         + b"k" * 100 + b'": 2}', 'duplicate key "' + "k" * 64 + '..." in the body'),
+    ],
+)
+def test_duplicate_keys_are_422_naming_the_key(raw: bytes, message: str) -> None:
+    with pytest.raises(EdgeError) as caught:
+        parse_chat_request(raw)
+    assert (caught.value.status, caught.value.message) == (422, message)
+
+
+@pytest.mark.parametrize(
+    "data,path",
+    [
+        (body(chat_template_kwargs={"x": 10**400}), "chat_template_kwargs.x"),
+        (body(tools=[{**TOOL, "function": {**TOOL["function"], "parameters": {"maximum": -(10**400)}}}]),
+         "tools[0].function.parameters.maximum"),
+        (body(max_tokens=10**400), "max_tokens"),
+    ],
+)
+def test_integers_past_a_double_are_422(data: dict[str, Any], path: str) -> None:
+    # Free-form objects become protobuf Structs, whose numbers are doubles: this was a 500 OverflowError.
+    with pytest.raises(EdgeError) as caught:
+        parse(data)
+    assert (caught.value.status, caught.value.message) == (422, f"{path} is out of range: a number must fit a double")
+    assert parse(body(chat_template_kwargs={"x": 2**64})).chat_template_kwargs == {"x": 2**64}

@@ -12,7 +12,7 @@ from services.http_edge.convert import to_chat_request
 from services.http_edge.render import CompletionBuilder, ReplyContext, chunk_json
 from services.http_edge.serving import parse_chat_request
 
-CTX = ReplyContext(request_id="chatcmpl-1", model="m", created=1700000000)
+CTX = ReplyContext(request_id="chatcmpl-1", model="m", created=1700000000, system_fingerprint="fp_0123456789")
 
 
 def chunk(content: str = "", index: int = 0, finish: int = 0, **fields) -> chat_pb2.ChatChunk:
@@ -39,6 +39,7 @@ def test_stream_chunk_matches_the_documented_example_shape() -> None:
     rendered = chunk_json(chunk("Hello"), CTX)
     assert json.dumps(rendered, separators=(",", ":")) == (
         '{"id":"chatcmpl-1","object":"chat.completion.chunk","created":1700000000,"model":"m",'
+        '"system_fingerprint":"fp_0123456789",'
         '"choices":[{"index":0,"delta":{"role":"assistant","content":"Hello"},"finish_reason":null}]}'
     )
 
@@ -46,7 +47,8 @@ def test_stream_chunk_matches_the_documented_example_shape() -> None:
 def test_final_stream_chunk_has_usage_full_text_and_finish_reason() -> None:
     final = chunk("", finish=chat_pb2.FINISH_REASON_LENGTH, usage=usage(31, 10, 10, cached=4), full_text="Hi!")
     rendered = chunk_json(final, CTX)
-    assert list(rendered) == ["id", "object", "created", "model", "full_text", "usage", "choices"]
+    assert list(rendered) == ["id", "object", "created", "model", "system_fingerprint", "full_text", "usage",
+                             "choices"]
     assert rendered["full_text"] == "Hi!"
     assert rendered["usage"] == {
         "prompt_tokens": 31,
@@ -116,6 +118,7 @@ def test_aggregate_single_choice() -> None:
         "object": "chat.completion",
         "created": 1700000000,
         "model": "m",
+        "system_fingerprint": "fp_0123456789",
         "choices": [{
             "index": 0,
             "message": {"role": "assistant", "content": "Hello, world", "tool_calls": []},
@@ -280,3 +283,28 @@ def test_tool_choice_strings_and_explicit_false_logprobs() -> None:
     assert to_proto({**base, "tool_choice": "required"}).tool_choice.mode == chat_pb2.TOOL_CHOICE_MODE_REQUIRED
     explicit = to_proto({**base, "logprobs": False})
     assert explicit.HasField("logprobs") and not explicit.logprobs
+
+
+def test_system_fingerprint_on_every_chunk_and_the_aggregate() -> None:
+    usage_only = chat_pb2.ChatChunk(id="chatcmpl-1", created=1700000000, model="m", usage=usage(3, 1, 1))
+    streamed = ReplyContext("chatcmpl-1", "m", 1, null_usage=True, system_fingerprint="fp_0123456789")
+    for rendered in (chunk_json(chunk("a"), streamed), chunk_json(usage_only, streamed)):
+        assert list(rendered)[:5] == ["id", "object", "created", "model", "system_fingerprint"]
+        assert rendered["system_fingerprint"] == "fp_0123456789"
+    assert chunk_json(usage_only, streamed)["choices"] == []
+    builder = CompletionBuilder(streamed)
+    builder.add(usage_only)
+    assert builder.result()["system_fingerprint"] == "fp_0123456789"
+    # One the backend sends wins.
+    assert chunk_json(chunk("a", system_fingerprint="fp_backend"), streamed)["system_fingerprint"] == "fp_backend"
+
+
+def test_system_fingerprint_names_the_build_and_the_model() -> None:
+    from services.http_edge import fingerprint
+
+    one = fingerprint.system_fingerprint("SmolLM2", "/models/a")
+    assert one == fingerprint.system_fingerprint("SmolLM2", "/models/a")
+    assert len(one) == 13 and one.startswith("fp_") and int(one[3:], 16) >= 0
+    assert one != fingerprint.system_fingerprint("SmolLM2", "/models/b")
+    assert one != fingerprint.system_fingerprint("Other", "/models/a")
+    assert fingerprint.stormserve_version() not in ("", "unknown")

@@ -1,0 +1,90 @@
+"""/openapi.json and /docs (Swagger UI): FastAPI's generator, fed the models it cannot see.
+
+`POST /v1/chat/completions` reads its raw body itself (the size limit, the
+duplicate-key and Unicode checks of serving.py), so FastAPI knows neither
+its request nor its replies. Each route names its schemas here by reference
+(`openapi_extra`), and the document's components are the pydantic models:
+protocol.ChatCompletionRequest in, schemas.py out.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import HTMLResponse
+from pydantic.json_schema import models_json_schema
+
+from services.http_edge.fingerprint import stormserve_version
+from services.http_edge.protocol import ChatCompletionRequest
+from services.http_edge.schemas import RESPONSE_MODELS
+
+OPENAPI_URL = "/openapi.json"
+REF = "#/components/schemas/{model}"
+# FastAPI documents its own 422 body for routes with parameters; ours is ErrorBody.
+_FRAMEWORK_SCHEMAS = ("HTTPValidationError", "ValidationError")
+
+
+def ref(name: str) -> dict[str, str]:
+    return {"$ref": REF.format(model=name)}
+
+
+def json_content(name: str) -> dict[str, Any]:
+    return {"application/json": {"schema": ref(name)}}
+
+
+def errors(*statuses: int) -> dict[str, Any]:
+    return {str(s): {"description": "the error body", "content": json_content("ErrorBody")} for s in statuses}
+
+
+CHAT_COMPLETIONS = {
+    "requestBody": {"required": True, "content": json_content("ChatCompletionRequest")},
+    "responses": {
+        "200": {
+            "description": "`chat.completion`, or with `stream` true an SSE stream of "
+                           "`data: <chat.completion.chunk>` events (a failure after the first one "
+                           "ends it with a StreamErrorFrame) and `data: [DONE]`",
+            "content": {
+                **json_content("ChatCompletion"),
+                "text/event-stream": {"schema": {"oneOf": [ref("ChatCompletionChunk"), ref("StreamErrorFrame")]}},
+            },
+        },
+        **errors(401, 413, 422, 424, 500, 503),
+    },
+}
+LIST_MODELS = {"responses": {"200": {"description": "the served models", "content": json_content("ModelList")},
+                             **errors(401, 503)}}
+GET_MODEL = {"responses": {"200": {"description": "the model", "content": json_content("ModelCard")},
+                           **errors(401, 404, 422, 503)}}
+HEALTH = {"responses": {"200": {"description": "ChatService is serving (empty body)", "content": {}},
+                        **errors(503)}, "security": []}
+
+
+def component_schemas() -> dict[str, Any]:
+    _, schema = models_json_schema(
+        [(ChatCompletionRequest, "validation"), *((m, "serialization") for m in RESPONSE_MODELS)],
+        ref_template=REF,
+    )
+    return schema["$defs"]
+
+
+def openapi_document(app: FastAPI, keyed: bool) -> dict[str, Any]:
+    """Built on first use and kept (app.openapi_schema), as FastAPI does."""
+    if app.openapi_schema is None:
+        doc = get_openapi(
+            title=app.title, version=stormserve_version(), description=app.description, routes=app.routes
+        )
+        schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+        for name in _FRAMEWORK_SCHEMAS:
+            schemas.pop(name, None)
+        schemas.update(component_schemas())
+        if keyed:
+            doc["components"]["securitySchemes"] = {"apiKey": {"type": "http", "scheme": "bearer"}}
+            doc["security"] = [{"apiKey": []}]
+        app.openapi_schema = doc
+    return app.openapi_schema
+
+
+def swagger_page(app: FastAPI) -> HTMLResponse:
+    return get_swagger_ui_html(openapi_url=OPENAPI_URL, title=f"{app.title} - API")

@@ -312,7 +312,8 @@ class _Handler(BaseHTTPRequestHandler):
                     if kube._matching(obj, namespace, selector):
                         self._chunk({"type": kind, "object": obj})
                 if expired:
-                    self._chunk({"type": "ERROR", "object": gone})
+                    self._chunk({"type": "ERROR", "object": status(
+                        410, "Expired", f"too old resource version: {cursor} ({kube._oldest})")})
                     return
                 now = time.monotonic()
                 if bookmarks and now >= next_bookmark:

@@ -31,6 +31,7 @@ from pathlib import Path
 import httpx
 
 log = logging.getLogger(__name__)
+logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per watch and list
 
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 API_URL_ENV = "STORMSERVE_KUBE_API_URL"

@@ -10,7 +10,7 @@ from services.common.supervisor import exit_with_supervisor
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.discovery import WorkerPool, merge_slices
 from services.scheduler.engine import EngineLoop
-from services.scheduler.kube import EndpointSliceWatcher, KubeApi
+from services.scheduler.kube import EndpointSliceWatcher, KubeApi, KubeConfigError
 from services.scheduler.router import Router
 from services.scheduler.server import SchedulerServicer
 from services.scheduler.worker_client import WorkerClient
@@ -33,7 +33,10 @@ async def main() -> None:
     pool = WorkerPool(router, make_engine)
     watcher = None
     if discovered:
-        api = KubeApi.from_environment(config.worker_namespace)
+        try:
+            api = KubeApi.from_environment(config.worker_namespace)
+        except KubeConfigError as exc:
+            raise SystemExit(f"worker_discovery=endpointslices: {exc}") from exc
 
         async def on_slices(slices) -> None:
             await pool.apply(merge_slices(slices.values(), config.worker_port))

@@ -220,3 +220,36 @@ def test_get_load_lists_discovered_workers_and_their_drain(draining):
     assert [(w.address, w.is_ready, w.draining) for w in load.workers] == [
         ("10.0.0.1:50053", True, draining), ("10.0.0.2:50053", True, False)]
     assert load.num_workers_ready == (1 if draining else 2)
+
+
+# --- settings ------------------------------------------------------------------------
+
+
+def test_discovery_settings_from_the_environment():
+    from services.common.config import load_config
+    from services.scheduler.config import SchedulerConfig
+
+    env = {"STORMSERVE_WORKER_DISCOVERY": "endpointslices", "STORMSERVE_WORKER_SERVICE": "stormserve-worker",
+           "STORMSERVE_WORKER_NAMESPACE": "serving", "STORMSERVE_WORKER_PORT": "grpc"}
+    config = load_config(SchedulerConfig, [], env)
+    assert (config.worker_discovery, config.worker_service, config.worker_namespace, config.worker_port) == (
+        "endpointslices", "stormserve-worker", "serving", "grpc")
+    assert load_config(SchedulerConfig, [], {}).worker_discovery == "static"
+    for bad in ({"STORMSERVE_WORKER_DISCOVERY": "endpointslices"}, {"STORMSERVE_WORKER_DISCOVERY": "dns"}):
+        with pytest.raises(SystemExit):
+            load_config(SchedulerConfig, [], bad)
+
+
+def test_a_scheduler_outside_a_cluster_says_so_and_exits(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("KUBERNETES_", "STORMSERVE_"))},
+           "PYTHONPATH": f"{root / 'gen'}{os.pathsep}{root}", "STORMSERVE_WORKER_DISCOVERY": "endpointslices",
+           "STORMSERVE_WORKER_SERVICE": "workers", "STORMSERVE_WORKER_NAMESPACE": "serving"}
+    done = subprocess.run([sys.executable, "-m", "services.scheduler", "--port", "0"], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and "not in a cluster" in done.stderr, done.stderr[-2000:]

@@ -155,6 +155,10 @@ class EndpointSliceWatcher:
                     self.last_error = f"{type(exc).__name__}: {exc}"
                     log.warning("EndpointSlices of %s: %s; keeping the %d known workers' slices, retrying in %.1f s",
                                 self.service, self.last_error, len(self.slices), delay)
+                except Exception as exc:  # noqa: BLE001 - a bug here must not end discovery for good
+                    failed = True
+                    self.last_error = f"{type(exc).__name__}: {exc}"
+                    log.exception("EndpointSlices of %s: unexpected error; retrying in %.1f s", self.service, delay)
                 if failed or loop.time() - started < self.healthy_watch_s:
                     await asyncio.sleep(delay * random.uniform(0.8, 1.2))
                     delay = min(delay * 2, self.backoff_max_s)

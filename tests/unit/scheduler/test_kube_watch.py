@@ -201,3 +201,27 @@ def test_in_cluster_configuration(tmp_path: Path):
         KubeApi.from_environment("ns", {}, tmp_path / "none")
     with pytest.raises(KubeConfigError, match="namespace"):
         KubeApi.from_environment("", {"STORMSERVE_KUBE_API_URL": "http://x"}, tmp_path / "none")
+
+
+def test_a_failing_update_is_retried_by_a_fresh_list(kube):
+    kube.put_slice(NS, one_slice("workers-a", slice_endpoint("10.0.0.1", uid="p1")))
+
+    async def main():
+        seen, failures = Seen(), []
+
+        async def flaky(slices):
+            if not failures:
+                failures.append(1)
+                raise RuntimeError("boom")
+            await seen(slices)
+
+        watcher = EndpointSliceWatcher(KubeApi(kube.url, NS), SERVICE, flaky, backoff_min_s=0.05)
+        task = asyncio.create_task(watcher.run())
+        try:
+            await until(lambda: seen.endpoints == {"p1": (True, False)})
+            assert watcher.num_lists == 2 and not task.done()
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(main())

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -42,7 +43,7 @@ class Cluster:
     kube: FakeKube
     chain: Chain
     port: int
-    load: callable
+    load: Callable[[], object] | None
     # Tokens of a stream that must outlive a change of the worker set: about
     # LONG_S seconds of decoding at the speed measured at start.
     long: int = 0

@@ -8,7 +8,9 @@ from services.common.grpc_server import GrpcService
 from services.common.log import setup_logging
 from services.common.supervisor import exit_with_supervisor
 from services.scheduler.config import SchedulerConfig
+from services.scheduler.discovery import WorkerPool, merge_slices
 from services.scheduler.engine import EngineLoop
+from services.scheduler.kube import EndpointSliceWatcher, KubeApi, KubeConfigError
 from services.scheduler.router import Router
 from services.scheduler.server import SchedulerServicer
 from services.scheduler.worker_client import WorkerClient
@@ -21,11 +23,27 @@ async def main() -> None:
     exit_with_supervisor()
     config = load_config(SchedulerConfig)
     log = setup_logging("scheduler")
-    engines = [
-        EngineLoop(WorkerClient(address), config.max_batch_size, config.max_prefill_tokens)
-        for address in config.worker_addresses
-    ]
+
+    def make_engine(address: str) -> EngineLoop:
+        return EngineLoop(WorkerClient(address), config.max_batch_size, config.max_prefill_tokens)
+
+    discovered = config.worker_discovery == "endpointslices"
+    engines = [] if discovered else [make_engine(address) for address in config.worker_addresses]
     router = Router(engines)
+    pool = WorkerPool(router, make_engine)
+    watcher = None
+    if discovered:
+        try:
+            api = KubeApi.from_environment(config.worker_namespace)
+        except KubeConfigError as exc:
+            raise SystemExit(f"worker_discovery=endpointslices: {exc}") from exc
+
+        async def on_slices(slices) -> None:
+            await pool.apply(merge_slices(slices.values(), config.worker_port))
+
+        watcher = EndpointSliceWatcher(api, config.worker_service, on_slices)
+        log.info("workers: the EndpointSlices of service %s/%s at %s", api.namespace, config.worker_service,
+                 api.base_url)
     service = GrpcService("scheduler", config.host, config.port)
     service.add(
         scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server,
@@ -35,6 +53,7 @@ async def main() -> None:
     await service.start()
     for engine in engines:
         engine.start()
+    watching = asyncio.create_task(watcher.run()) if watcher is not None else None
 
     async def track_readiness() -> None:
         serving = None
@@ -43,12 +62,15 @@ async def main() -> None:
             if now != serving:
                 serving = now
                 await service.set_serving(now)
-                log.info("serving: %s (%d/%d workers ready)", now, len(router.ready_engines), len(engines))
+                log.info("serving: %s (%d/%d workers ready)", now, len(router.ready_engines), len(router.engines))
             await asyncio.sleep(READY_POLL_S)
 
     tracker = asyncio.create_task(track_readiness())
     await service.serve_forever()
     tracker.cancel()
+    if watching is not None:
+        watching.cancel()
+    await pool.stop()
     for engine in engines:
         await engine.stop()
 

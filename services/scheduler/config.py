@@ -12,7 +12,16 @@ class SchedulerConfig:
 
     host: str = setting("127.0.0.1", "address to listen on")
     port: int = setting(50052, "gRPC port")
-    worker_addresses: tuple[str, ...] = setting(("127.0.0.1:50053",), "comma-separated worker host:port list")
+    worker_addresses: tuple[str, ...] = setting(
+        ("127.0.0.1:50053",), "comma-separated worker host:port list (worker_discovery=static)")
+    worker_discovery: str = setting(
+        "static", "where workers come from: static (worker_addresses) or endpointslices (the EndpointSlices "
+        "of worker_service, through the Kubernetes API)")
+    worker_service: str = setting("", "the worker Service whose EndpointSlices list the workers (endpointslices)")
+    worker_namespace: str = setting(
+        "", "namespace of worker_service (default: the scheduler pod's own, from its service account)")
+    worker_port: str = setting(
+        "", "name or number of the workers' gRPC port in the EndpointSlices (default: each slice's first port)")
     max_batch_size: int = setting(64, "most sequences in one engine step", alias="maxBatchSize")
     max_prefill_tokens: int = setting(
         1024, "most prompt tokens prefilled in one step (the reference defaults to 8192; see the README)",
@@ -23,7 +32,12 @@ class SchedulerConfig:
     max_queue_size: int = setting(4096, "most requests waiting before new ones are refused")
 
     def __post_init__(self) -> None:
-        require(bool(self.worker_addresses), "worker_addresses must name at least one worker")
+        require(self.worker_discovery in ("static", "endpointslices"),
+                "worker_discovery must be static or endpointslices")
+        if self.worker_discovery == "static":
+            require(bool(self.worker_addresses), "worker_addresses must name at least one worker")
+        else:
+            require(bool(self.worker_service), "worker_discovery=endpointslices needs worker_service")
         require(1 <= self.max_batch_size <= 819200, "maxBatchSize must be in [1, 819200]")
         require(1 <= self.max_prefill_tokens <= 4194304, "maxPrefillTokens must be in [1, 4194304]")
         require(self.max_seq_len >= 2, "maxSeqLen must be >= 2")

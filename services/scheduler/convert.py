@@ -185,10 +185,11 @@ def to_response(update: ChoiceUpdate, choices: Choices) -> scheduler_pb2.Generat
     return reply
 
 
-def to_worker_load(engine: EngineLoop) -> scheduler_pb2.WorkerLoad:
+def to_worker_load(engine: EngineLoop, draining: bool = False) -> scheduler_pb2.WorkerLoad:
     load = scheduler_pb2.WorkerLoad(
         address=engine.worker.address,
         is_ready=engine.is_ready,
+        draining=draining,
         num_steps=engine.num_steps,
         num_sequences=engine.num_sequences,
     )

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.common.errors import WORKER_LOST
@@ -57,6 +58,10 @@ class EngineLoop:
         self._wakeup = asyncio.Event()
         self._ready = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
+        # The worker's last Describe answer, and a check of it before the worker
+        # may join (the router's: the same model as the others); it returns why not.
+        self.info = None
+        self.admit: Callable[[object], str | None] | None = None
 
     @property
     def is_ready(self) -> bool:
@@ -78,6 +83,11 @@ class EngineLoop:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.worker.close()
+
+    async def retire(self, reason: str) -> None:
+        """The worker left for good: its in-flight requests fail, the loop stops."""
+        self._fail_all(reason)
+        await self.stop()
 
     def submit(self, seqs: list[Sequence]) -> asyncio.Queue[StreamItem]:
         """Queue one request's sequences (siblings, or beam search result
@@ -170,6 +180,7 @@ class EngineLoop:
         policy.forget_worker_state()
 
     async def _watch_health(self) -> None:
+        refused = None
         while True:
             serving = await self.worker.is_serving()
             if serving and not self.is_ready:
@@ -178,6 +189,14 @@ class EngineLoop:
                 except Exception as exc:  # noqa: BLE001 - retried on the next poll
                     log.warning("describe %s failed: %s", self.worker.address, exc)
                 else:
+                    refusal = self.admit(info) if self.admit is not None else None
+                    if refusal is not None:
+                        if refusal != refused:  # once, not every poll
+                            log.error("worker %s refused: %s", self.worker.address, refusal)
+                        refused = refusal
+                        await asyncio.sleep(HEALTH_POLL_S)
+                        continue
+                    self.info = info
                     self._become_ready(capacity)
                     log.info("worker %s ready: %s, %d KV blocks of %d tokens",
                              self.worker.address, info.model_path, capacity.num_kv_blocks, capacity.block_size)

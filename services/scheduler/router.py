@@ -7,6 +7,10 @@ workers whose load is within `max_imbalance` sequences of the least loaded.
 Every chat shares its template's first tokens: chasing such a small hit would
 send all new conversations to the worker that cached it first, and none to a
 worker that just (re)joined.
+
+The set of workers can change while serving (workers discovered through the
+Kubernetes API, see discovery.py): engines are added and removed, and a
+draining one keeps its running sequences but gets no new ones.
 """
 from __future__ import annotations
 
@@ -25,16 +29,49 @@ MIN_HIT_FRACTION = 0.5
 
 class Router:
     def __init__(self, engines: list[EngineLoop], max_imbalance: int = DEFAULT_MAX_IMBALANCE):
-        self.engines = engines
+        self.engines: list[EngineLoop] = []
         self.max_imbalance = max_imbalance
         self._seq_ids = itertools.count(1)
+        self._draining: set[int] = set()  # id() of draining engines
+        for engine in engines:
+            self.add(engine)
+
+    def add(self, engine: EngineLoop) -> None:
+        engine.admit = lambda info: self._refusal(engine, info)
+        self.engines.append(engine)
+
+    def remove(self, engine: EngineLoop) -> None:
+        self.engines.remove(engine)
+        self._draining.discard(id(engine))
+
+    def set_draining(self, engine: EngineLoop, draining: bool) -> None:
+        """A draining engine finishes what it runs and is given nothing new."""
+        if draining:
+            self._draining.add(id(engine))
+        else:
+            self._draining.discard(id(engine))
+
+    def is_draining(self, engine: EngineLoop) -> bool:
+        return id(engine) in self._draining
+
+    def _refusal(self, engine: EngineLoop, info) -> str | None:
+        """Why a worker may not join: it serves another model than the ready ones."""
+        for other in self.engines:
+            if other is not engine and other.is_ready and other.info is not None:
+                if model_identity(other.info) != model_identity(info):
+                    return (f"it serves {info.model_path} (vocabulary {info.vocab_size}), "
+                            f"{other.worker.address} serves {other.info.model_path} "
+                            f"(vocabulary {other.info.vocab_size})")
+                return None
+        return None
 
     def next_seq_id(self) -> int:
         return next(self._seq_ids)
 
     @property
     def ready_engines(self) -> list[EngineLoop]:
-        return [e for e in self.engines if e.is_ready]
+        """Engines that take new sequences: ready and not draining."""
+        return [e for e in self.engines if e.is_ready and id(e) not in self._draining]
 
     def place(self, seq: Sequence) -> EngineLoop:
         ready = self.ready_engines
@@ -49,3 +86,8 @@ class Router:
 
         # min() keeps the first of equals: configuration order breaks ties.
         return min(candidates, key=lambda e: (-reusable(e), e.load))
+
+
+def model_identity(info) -> tuple:
+    """What must be equal for two workers to serve the same model (a worker's Describe answer)."""
+    return info.model_path, info.vocab_size, tuple(sorted(info.eos_token_ids))

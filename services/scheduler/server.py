@@ -79,5 +79,5 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             num_running=sum(len(e.policy.running) for e in engines if e.policy),
             num_workers_ready=len(self.router.ready_engines),
             num_steps=sum(e.num_steps for e in engines),
-            workers=[to_worker_load(e) for e in engines],
+            workers=[to_worker_load(e, self.router.is_draining(e)) for e in engines],
         )

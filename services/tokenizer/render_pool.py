@@ -108,8 +108,9 @@ class _Running:
     def kill(self) -> None:
         with self.lock:
             self.cancelled = True
-            if self.process is not None:
-                self.process.kill()
+            process = self.process
+        if process is not None:
+            process.kill()
 
 
 class RenderLane:
@@ -137,10 +138,11 @@ class RenderLane:
         return process
 
     def _run(self, job: dict[str, Any], running: _Running) -> dict[str, Any]:
+        process = self._process()  # may start one: outside the lock, which the event loop takes to cancel
         with running.lock:
             if running.cancelled:
                 raise RenderCrashed()
-            process = running.process = self._process()
+            running.process = process
         try:
             return process.run(job, self.timeout_s)
         except RenderTimeout:

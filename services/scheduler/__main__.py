@@ -26,10 +26,10 @@ async def main() -> None:
         for address in config.worker_addresses
     ]
     router = Router(engines)
-    service = GrpcService("scheduler", config.host, config.port)
+    service = GrpcService("scheduler", config.host, config.port, config.drain_timeout_s)
     service.add(
         scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server,
-        SchedulerServicer(config, router),
+        SchedulerServicer(config, router, service.drain),
         scheduler_pb2.DESCRIPTOR.services_by_name["SchedulerService"],
     )
     await service.start()

@@ -188,7 +188,7 @@ def to_response(update: ChoiceUpdate, choices: Choices) -> scheduler_pb2.Generat
 def to_worker_load(engine: EngineLoop) -> scheduler_pb2.WorkerLoad:
     load = scheduler_pb2.WorkerLoad(
         address=engine.worker.address,
-        is_ready=engine.is_ready,
+        is_ready=engine.accepts_sequences,  # a draining worker is not ready for new sequences
         num_steps=engine.num_steps,
         num_sequences=engine.num_sequences,
     )

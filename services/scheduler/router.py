@@ -34,7 +34,8 @@ class Router:
 
     @property
     def ready_engines(self) -> list[EngineLoop]:
-        return [e for e in self.engines if e.is_ready]
+        """Those that take new sequences: ready, and not draining."""
+        return [e for e in self.engines if e.accepts_sequences]
 
     def place(self, seq: Sequence) -> EngineLoop:
         ready = self.ready_engines

@@ -57,6 +57,18 @@ async def until(condition, timeout_s: float = 10.0) -> None:
         await asyncio.sleep(0.01)
 
 
+async def sigterm_during(server: DrainingServer, client: httpx.AsyncClient, chat,
+                         num_streams: int) -> tuple[list[asyncio.Task], asyncio.Task, float]:
+    """Start `num_streams` streams and one whole request; once the backend has them
+    all, SIGTERM. Returns their tasks and when the signal came."""
+    streams = [asyncio.create_task(sse_frames(client)) for _ in range(num_streams)]
+    whole = asyncio.create_task(client.post("/v1/chat/completions", json=BODY))
+    await until(lambda: len(chat.fake.requests) == num_streams + 1)
+    began = time.monotonic()
+    server.handle_exit(signal.SIGTERM, None)
+    return streams, whole, began
+
+
 def run(scenario) -> None:
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         runner.run(asyncio.wait_for(scenario(), timeout=30))
@@ -81,11 +93,7 @@ def test_streams_in_flight_finish_new_requests_get_503_then_the_server_stops() -
     async def scenario() -> None:
         async with backend(slow) as chat, edge(chat.port, drain_timeout_s=30) as (server, url):
             async with httpx.AsyncClient(base_url=url, timeout=20) as client:
-                streams = [asyncio.create_task(sse_frames(client)) for _ in range(3)]
-                whole = asyncio.create_task(client.post("/v1/chat/completions", json=BODY))
-                await until(lambda: len(chat.fake.requests) == 4)
-                began = time.monotonic()
-                server.handle_exit(signal.SIGTERM, None)
+                streams, whole, began = await sigterm_during(server, client, chat, num_streams=3)
                 await until(lambda: server.drain.draining)
                 async with httpx.AsyncClient(base_url=url, timeout=5) as late:
                     assert_refused(await late.get("/health"))
@@ -112,11 +120,7 @@ def test_at_the_drain_timeout_streams_end_with_an_error_frame_and_replies_with_5
     async def scenario() -> None:
         async with backend(hold_after_one) as chat, edge(chat.port, drain_timeout_s=0.5) as (server, url):
             async with httpx.AsyncClient(base_url=url, timeout=20) as client:
-                streams = [asyncio.create_task(sse_frames(client)) for _ in range(2)]
-                whole = asyncio.create_task(client.post("/v1/chat/completions", json=BODY))
-                await until(lambda: len(chat.fake.requests) == 3)
-                began = time.monotonic()
-                server.handle_exit(signal.SIGTERM, None)
+                streams, whole, began = await sigterm_during(server, client, chat, num_streams=2)
                 message = "http_edge shut down before this request finished: its drain timeout (0.5 s) passed"
                 for frames in await asyncio.gather(*streams):
                     assert frames[0]["choices"][0]["delta"]["content"] == "first"

@@ -10,6 +10,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 import grpc
 import pytest
@@ -44,8 +45,17 @@ class Service(chat_pb2_grpc.ChatServiceServicer):
     ChatStream = multiplexed_method(_chat, chat_pb2.ChatStreamResponse, chat_pb2.ChatStreamEvent)
 
 
+@dataclass
+class Running:
+    service: GrpcService
+    servicer: Service
+    channel: grpc.aio.Channel
+    stub: chat_pb2_grpc.ChatServiceStub
+    calls: CallMultiplexer  # calls on one ChatStream
+
+
 @asynccontextmanager
-async def running(drain_timeout_s: float) -> AsyncIterator[tuple[GrpcService, Service, grpc.aio.Channel]]:
+async def running(drain_timeout_s: float) -> AsyncIterator[Running]:
     service = GrpcService("test-service", "127.0.0.1", 0, drain_timeout_s)
     servicer = Service(service.drain)
     service.add(chat_pb2_grpc.add_ChatServiceServicer_to_server, servicer,
@@ -53,9 +63,12 @@ async def running(drain_timeout_s: float) -> AsyncIterator[tuple[GrpcService, Se
     await service.start()
     await service.set_serving(True)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{service.port}")
+    stub = chat_pb2_grpc.ChatServiceStub(channel)
+    calls = CallMultiplexer(stub.ChatStream, chat_pb2.ChatStreamRequest)
     try:
-        yield service, servicer, channel
+        yield Running(service, servicer, channel, stub, calls)
     finally:
+        await calls.close()
         await channel.close()
         await service.server.stop(None)
 
@@ -77,9 +90,8 @@ async def until(condition, timeout_s: float = 5.0) -> None:
 
 def test_running_calls_finish_new_ones_are_refused_and_the_service_stops_by_itself() -> None:
     async def scenario() -> None:
-        async with running(drain_timeout_s=30) as (service, servicer, channel):
-            stub = chat_pb2_grpc.ChatServiceStub(channel)
-            calls = CallMultiplexer(stub.ChatStream, chat_pb2.ChatStreamRequest)
+        async with running(drain_timeout_s=30) as run:
+            service, servicer, channel, stub, calls = run.service, run.servicer, run.channel, run.stub, run.calls
             streamed = [calls.start(ask(f"s{i}")) for i in range(3)]
             unary = stub.Chat(ask("u"))
             for call in (*streamed, unary):
@@ -113,16 +125,14 @@ def test_running_calls_finish_new_ones_are_refused_and_the_service_stops_by_itse
             assert await asyncio.wait_for(stopped, 5) is True  # nothing had to be ended
             assert time.monotonic() - began < 3
             assert servicer.cancelled == []
-            await calls.close()
 
     asyncio.run(scenario())
 
 
 def test_calls_still_running_at_the_drain_timeout_end_with_unavailable_naming_it() -> None:
     async def scenario() -> None:
-        async with running(drain_timeout_s=0.3) as (service, servicer, channel):
-            stub = chat_pb2_grpc.ChatServiceStub(channel)
-            calls = CallMultiplexer(stub.ChatStream, chat_pb2.ChatStreamRequest)
+        async with running(drain_timeout_s=0.3) as run:
+            service, servicer, channel, stub, calls = run.service, run.servicer, run.channel, run.stub, run.calls
             streamed, unary = calls.start(ask("s")), stub.Chat(ask("u"))
             for call in (streamed, unary):
                 assert (await call.read()).chunk.id == "first"
@@ -137,23 +147,20 @@ def test_calls_still_running_at_the_drain_timeout_end_with_unavailable_naming_it
                 assert "drain timeout (0.3 s) passed" in ended.value.details()
             assert sorted(servicer.cancelled) == ["s", "u"]  # their handlers' cleanup ran
             assert 0.3 <= took < 0.3 + 2.5
-            await calls.close()
 
     asyncio.run(scenario())
 
 
 def test_an_idle_service_stops_at_once_and_a_stream_without_calls_ends() -> None:
     async def scenario() -> None:
-        async with running(drain_timeout_s=30) as (service, servicer, channel):
-            stub = chat_pb2_grpc.ChatServiceStub(channel)
-            calls = CallMultiplexer(stub.ChatStream, chat_pb2.ChatStreamRequest)
+        async with running(drain_timeout_s=30) as run:
+            service, servicer, channel, stub, calls = run.service, run.servicer, run.channel, run.stub, run.calls
             servicer.release.set()
             assert await texts(calls.start(ask("done"))) == ["first", "second"]  # the stream stays open
             began = time.monotonic()
             service.request_stop()
             assert await asyncio.wait_for(service.serve_forever(), 10) is True
             assert time.monotonic() - began < 1.5
-            await calls.close()
 
     asyncio.run(scenario())
 

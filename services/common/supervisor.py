@@ -20,8 +20,12 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.common.config import env_name
+from services.common.drain import DEFAULT_DRAIN_TIMEOUT_S
+
 PR_SET_PDEATHSIG = 1
-STOP_GRACE_S = 15.0
+# A stopped service may drain for its drain timeout; this much more to exit before it is killed.
+STOP_MARGIN_S = 10.0
 # Set in each child's environment to our pid: see exit_with_supervisor.
 SUPERVISOR_PID_ENV = "STORMSERVE_SUPERVISOR_PID"
 
@@ -114,6 +118,13 @@ class Chain:
             time.sleep(0.5)
         raise TimeoutError(f"the chain did not become healthy within {timeout_s:.0f} s")
 
+    @property
+    def stop_grace_s(self) -> float:
+        """How long a service may take to stop: the drain timeout it runs with, and a margin."""
+        name = env_name("drain_timeout_s")
+        drain_s = self.env.get(name) or os.environ.get(name) or DEFAULT_DRAIN_TIMEOUT_S
+        return float(drain_s) + STOP_MARGIN_S
+
     def stop(self) -> None:
         """Front to back, so each service drains while the one behind it still answers."""
         for name in reversed(list(self.procs)):
@@ -121,7 +132,7 @@ class Chain:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
                 try:
-                    proc.wait(STOP_GRACE_S)
+                    proc.wait(self.stop_grace_s)
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()

@@ -31,6 +31,9 @@ log = logging.getLogger(__name__)
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
 MAX_DRAIN_TIMEOUT_S = 3600.0
 POLL_S = 0.05
+# Ends the message of a call refused because its server drains: such a call never
+# started, and a client may send it again elsewhere (multiplex.CallMultiplexer does).
+REFUSED = "is shutting down and takes no new requests"
 
 
 def drain_timeout_setting() -> Any:
@@ -65,7 +68,7 @@ class Drain:
         return self._carried
 
     def refusal(self) -> str:
-        return f"{self.name} is shutting down and takes no new requests"
+        return f"{self.name} {REFUSED}"
 
     def expiry(self) -> str:
         return (f"{self.name} shut down before this request finished: its drain timeout "

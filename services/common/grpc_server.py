@@ -75,16 +75,29 @@ class GrpcService:
         """What SIGTERM/SIGINT do: `serve_forever` drains and returns."""
         self._stop.set()
 
-    async def serve_forever(self, is_idle: Callable[[], bool] | None = None, settle_s: float = 0.0) -> bool:
+    async def serve_forever(self, is_idle: Callable[[], bool] | None = None, settle_s: float = 0.0,
+                            stop_listening: bool = False) -> bool:
         """Wait for SIGTERM/SIGINT, then drain: NOT_SERVING, no new work, running
         calls finish (and `is_idle()` holds for `settle_s`) within `drain_timeout_s`,
-        else they end with an error. True when nothing had to be ended."""
+        else they end with an error. True when nothing had to be ended.
+
+        `stop_listening`: close the port and send GOAWAY at once, so that callers
+        reconnect (to another replica) for new calls while the running ones go
+        on; health then no longer answers. Only for a service whose running calls
+        need no new RPC from their callers (the scheduler's need Abort, and the
+        scheduler must see a draining worker answer NOT_SERVING)."""
         await self._stop.wait()
         log.info("%s shutting down", self.name)
         await self.health.enter_graceful_shutdown()
+        refusing = None
+        if stop_listening:  # grpc's shutdown: no new RPCs, the running ones go on
+            refusing = asyncio.create_task(self.server.stop(self.drain_timeout_s + 2 * FINAL_STATUS_S))
         drained = await self.drain.run(self.drain_timeout_s, is_idle, settle_s, final_s=FINAL_STATUS_S)
         # Calls still open now are idle streams (health watches): they get a moment, then are cut.
         await self.server.stop(FINAL_STATUS_S)
+        if refusing is not None:
+            refusing.cancel()
+            await asyncio.gather(refusing, return_exceptions=True)
         return drained
 
 

@@ -34,7 +34,7 @@ from typing import Any
 import grpc
 from google.rpc import status_pb2
 
-from services.common.drain import Drain
+from services.common.drain import REFUSED, Drain
 from services.common.errors import status_of
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
@@ -191,6 +191,9 @@ class MultiplexedCall:
         self._timer = None
         self._max_buffered_bytes = max_buffered_bytes
         self._buffered_bytes = 0
+        self._request: Any = None  # what started it, to start it again if a draining server refused it
+        self._received = False
+        self._resent = False
         if timeout_s is not None:
             self._timer = asyncio.get_running_loop().call_later(timeout_s, self._expire)
 
@@ -290,6 +293,12 @@ class CallMultiplexer:
               max_buffered_bytes: int | None = None) -> MultiplexedCall:
         """Start a call; a `timeout_s` deadline cancels it and reads DEADLINE_EXCEEDED,
         more than `max_buffered_bytes` unread cancels it and reads RESOURCE_EXHAUSTED."""
+        call = MultiplexedCall(lambda: None, timeout_s, max_buffered_bytes)
+        self._send(call, request)
+        return call
+
+    def _send(self, call: MultiplexedCall, request: Any) -> None:
+        """Start `call` on the open stream (opening one if none is)."""
         stream = self._stream
         if stream is None:
             stream = self._stream = _Stream(self._open_stream)
@@ -300,10 +309,24 @@ class CallMultiplexer:
             if stream.calls.pop(call_id, None) is not None:
                 stream.outgoing.put_nowait(self._request_type(call_id=call_id, cancel=True))
 
-        call = MultiplexedCall(cancel, timeout_s, max_buffered_bytes)
+        call._cancel = cancel
+        call._request = request
         stream.calls[call_id] = call
         stream.outgoing.put_nowait(self._request_type(call_id=call_id, start=request))
-        return call
+
+    def _resend_refused(self, stream: _Stream, call: MultiplexedCall, end: status_pb2.Status) -> bool:
+        """A call the server refused because it drains never started: the stream
+        takes no new calls, so the next ones (this one first, once) go on a new
+        stream, which a server that drains gracefully (tokenizer: it stops
+        listening) lets the channel open elsewhere."""
+        if end.code != grpc.StatusCode.UNAVAILABLE.value[0] or not end.message.endswith(REFUSED) \
+                or call._received or call._resent or call._end is not None:
+            return False
+        if self._stream is stream:
+            self._stream = None
+        call._resent = True
+        self._send(call, call._request)
+        return True
 
     async def _read(self, stream: _Stream) -> None:
         error = _error(grpc.StatusCode.UNAVAILABLE, "the multiplexed stream ended")
@@ -314,10 +337,13 @@ class CallMultiplexer:
                     if call is None:
                         continue  # cancelled here; the server had sent this already
                     if event.WhichOneof("event") == "response":
+                        call._received = True
                         call._deliver(event.response)
                         continue
                     del stream.calls[event.call_id]
                     end = event.end
+                    if self._resend_refused(stream, call, end):
+                        continue
                     call._finish(None if end.code == 0 else _error(_CODES.get(end.code, grpc.StatusCode.UNKNOWN),
                                                                    end.message))
         except grpc.aio.AioRpcError as exc:

@@ -55,7 +55,8 @@ async def main() -> None:
             await asyncio.sleep(UPSTREAM_POLL_S)
 
     follower = asyncio.create_task(follow_scheduler())
-    await service.serve_forever()
+    # Its callers need no new RPC for a running call: new ones go to another replica.
+    await service.serve_forever(stop_listening=True)
     follower.cancel()
     await scheduler.close()
     await scheduler_channel.close()

@@ -186,3 +186,27 @@ def test_drain_timeout_range(value: float, ok: bool) -> None:
     else:
         with pytest.raises(ValueError, match="drain_timeout_s"):
             check_drain_timeout(value)
+
+
+def test_a_call_refused_by_a_draining_server_is_started_again_on_a_new_stream() -> None:
+    """The client's next stream reaches another server (as a channel reconnecting
+    to another replica after GOAWAY would); the call refused, never started, runs there."""
+    async def scenario() -> None:
+        async with running(drain_timeout_s=30) as old, running(drain_timeout_s=30) as new:
+            stubs = iter([old.stub, new.stub])
+            calls = CallMultiplexer(lambda requests: next(stubs).ChatStream(requests), chat_pb2.ChatStreamRequest)
+            running_call = calls.start(ask("running"))
+            assert (await running_call.read()).chunk.id == "first"
+            old.service.request_stop()
+            stopped = asyncio.create_task(old.service.serve_forever(stop_listening=True))
+            await until(lambda: old.service.drain.draining)
+            new.servicer.release.set()
+            assert await texts(calls.start(ask("late"))) == ["first", "second"]  # served by the other
+            # The draining one no longer listens: new RPCs on its channel go nowhere.
+            assert await health_status(old.channel, timeout_s=1) is None
+            old.servicer.release.set()
+            assert await texts(running_call) == ["second"]
+            assert await asyncio.wait_for(stopped, 5) is True
+            await calls.close()
+
+    asyncio.run(scenario())

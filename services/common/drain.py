@@ -141,8 +141,10 @@ class Drain:
         True when everything finished on its own. Logs what it did and how long it took."""
         started = time.monotonic()
         carried = self._carried
+        # A service with its own idea of idle (the worker: sequences held) counts no calls.
+        what = f"{carried} requests in flight" if is_idle is None else "until idle"
         self.begin(timeout_s)
-        log.info("%s draining: %d in flight, up to %g s", self.name, carried, timeout_s)
+        log.info("%s draining: %s, up to %g s", self.name, what, timeout_s)
         drained = await self.wait_idle(timeout_s, is_idle, min(settle_s, timeout_s))
         if not drained:
             log.warning("%s: drain timeout (%g s) passed with %d in flight; ending them with an error",
@@ -151,6 +153,6 @@ class Drain:
             if on_expiry is not None:
                 on_expiry()
             await self.wait_idle(final_s)
-        log.info("%s drained in %.2f s (%d were in flight%s)", self.name, time.monotonic() - started,
-                 carried, "" if drained else ", some ended by the timeout")
+        log.info("%s drained in %.2f s (%s%s)", self.name, time.monotonic() - started,
+                 what, "" if drained else "; what was left ended by the timeout")
         return drained

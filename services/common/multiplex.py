@@ -280,7 +280,8 @@ class _Stream:
 
 class CallMultiplexer:
     """The client side: one multiplexed stream, opened on first use and again
-    after it failed (its calls then end with the stream's error)."""
+    after it failed (its calls then end with the stream's error) or after its
+    server, draining, refused a call (that call is started once more on the new one)."""
 
     def __init__(self, open_stream: Callable[[AsyncIterator[Any]], Any], request_type: type):
         """`open_stream`: the stub's multiplexed method, e.g. `stub.ChatStream`."""

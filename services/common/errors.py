@@ -61,6 +61,21 @@ FIXED_MESSAGES = {
 WORKER_LOST = "the worker running this request was lost"
 NO_WORKER_READY = "no worker is ready"
 CLIENT_UNAVAILABLE_MESSAGES = frozenset({WORKER_LOST, NO_WORKER_READY})
+# A draining service's own words (drain.py): a new call refused, a running one
+# ended by the drain timeout. They name the service, never an address.
+DRAIN_REFUSED = "is shutting down and takes no new requests"
+
+
+def drain_refused(service: str) -> str:
+    return f"{service} {DRAIN_REFUSED}"
+
+
+def drain_expired(service: str, timeout_s: float) -> str:
+    return f"{service} shut down before this request finished: its drain timeout ({timeout_s:g} s) passed"
+
+
+_DRAIN_MESSAGE = re.compile(
+    rf"[a-z_]+ (?:{DRAIN_REFUSED}|shut down before this request finished: its drain timeout \([0-9.e+]+ s\) passed)")
 
 # Details only the gRPC library writes: a peer's address (ipv4:1.2.3.4:5,
 # ipv6:[::1]:5, unix:/path, host:port) or its message size limits.
@@ -74,7 +89,8 @@ def client_message(code: grpc.StatusCode, details: str | None) -> str:
     for clients, else a fixed message for the code. Log `details` beside it."""
     if code in CLIENT_CODES and details and not _LIBRARY_DETAILS.search(details):
         return details
-    if code == grpc.StatusCode.UNAVAILABLE and details in CLIENT_UNAVAILABLE_MESSAGES:
+    if code == grpc.StatusCode.UNAVAILABLE and details and (
+            details in CLIENT_UNAVAILABLE_MESSAGES or _DRAIN_MESSAGE.fullmatch(details)):
         return details
     return FIXED_MESSAGES.get(code, INTERNAL_ERROR)
 

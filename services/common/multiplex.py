@@ -15,6 +15,10 @@ The two sides speak the same shape of messages, whatever the payload:
 `serve_calls` answers such a stream on the server with a per-call handler
 (the per-request RPC's own logic), so both RPCs behave the same:
 `call_method` and `multiplexed_method` make the two servicer methods of it;
+both follow the servicer's `drain` (services/common/drain.py): once the
+process drains, a new call (a new RPC, or a start on an open stream) ends with
+UNAVAILABLE, running calls go on, a stream ends once its calls are done, and
+calls still running at the drain timeout end with UNAVAILABLE naming it;
 `CallMultiplexer` is the client, whose calls read like grpc.aio's
 UnaryStreamCall (`read`, `async for`, `cancel`, errors as AioRpcError).
 """
@@ -23,13 +27,14 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import AsyncIterator, Callable
-from contextlib import aclosing
+from contextlib import aclosing, nullcontext
 from functools import partial
 from typing import Any
 
 import grpc
 from google.rpc import status_pb2
 
+from services.common.drain import REFUSED, Drain
 from services.common.errors import request_id_of, status_of
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
@@ -39,15 +44,20 @@ def _error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
 
 
+def _status(code: grpc.StatusCode, message: str = "") -> status_pb2.Status:
+    return status_pb2.Status(code=code.value[0], message=message)
+
+
 async def serve_calls(requests: AsyncIterator[Any], handle: Callable[[Any], AsyncIterator[Any]],
-                      response_type: type, event_type: type) -> AsyncIterator[Any]:
+                      response_type: type, event_type: type, drain: Drain | None = None) -> AsyncIterator[Any]:
     """The response stream of a multiplexed RPC: runs `handle(start)` for each
     started call as a task and yields everything produced while the previous
     response was being written as one `response_type` message.
 
     A cancelled call's task is cancelled (its handler's `finally` runs, as when
     gRPC cancels a call) and nothing more is sent for it. Ending the stream
-    cancels every call still running."""
+    cancels every call still running. With a `drain` that has begun, new calls
+    are refused and the stream ends once the running ones are done."""
     outbox: list[Any] = []
     wake = asyncio.Event()
     calls: dict[int, asyncio.Task] = {}
@@ -59,14 +69,16 @@ async def serve_calls(requests: AsyncIterator[Any], handle: Callable[[Any], Asyn
 
     async def run(call_id: int, request: Any) -> None:
         try:
-            async for response in handle(request):
-                emit(event_type(call_id=call_id, response=response))
-            end = status_pb2.Status(code=grpc.StatusCode.OK.value[0])
+            with drain.carrying(asyncio.current_task()) if drain is not None else nullcontext():
+                async for response in handle(request):
+                    emit(event_type(call_id=call_id, response=response))
+            end = _status(grpc.StatusCode.OK)
         except asyncio.CancelledError:
-            raise  # cancelled by the caller: it expects nothing more
+            if drain is None or not drain.expired:
+                raise  # cancelled by the caller: it expects nothing more
+            end = _status(*status_of(drain.expiry_error()))
         except Exception as exc:  # noqa: BLE001 - becomes the call's status, as the interceptor does
-            code, message = status_of(exc, request_id_of(request))
-            end = status_pb2.Status(code=code.value[0], message=message)
+            end = _status(*status_of(exc, request_id_of(request)))
         finally:
             calls.pop(call_id, None)
         emit(event_type(call_id=call_id, end=end))
@@ -78,9 +90,12 @@ async def serve_calls(requests: AsyncIterator[Any], handle: Callable[[Any], Asyn
                 action = message.WhichOneof("action")
                 if action == "start":
                     if message.call_id in calls:
-                        emit(event_type(call_id=message.call_id, end=status_pb2.Status(
-                            code=grpc.StatusCode.ALREADY_EXISTS.value[0],
-                            message=f"call {message.call_id} is already running on this stream")))
+                        emit(event_type(call_id=message.call_id, end=_status(
+                            grpc.StatusCode.ALREADY_EXISTS, f"call {message.call_id} is already running on this stream")))
+                        continue
+                    if drain is not None and drain.draining:
+                        emit(event_type(call_id=message.call_id,
+                                        end=_status(grpc.StatusCode.UNAVAILABLE, drain.refusal())))
                         continue
                     calls[message.call_id] = asyncio.create_task(run(message.call_id, message.start))
                 elif action == "cancel" and (task := calls.pop(message.call_id, None)) is not None:
@@ -90,6 +105,7 @@ async def serve_calls(requests: AsyncIterator[Any], handle: Callable[[Any], Asyn
             wake.set()  # also when reading failed: the stream then ends with that error
 
     reader = asyncio.create_task(read())
+    unlisten = drain.listen(wake.set) if drain is not None else None
     try:
         while True:
             await wake.wait()
@@ -100,35 +116,52 @@ async def serve_calls(requests: AsyncIterator[Any], handle: Callable[[Any], Asyn
                 events = outbox[:]
                 outbox.clear()
                 yield response_type(events=events)
-            elif requests_done and not calls:
+                wake.set()  # look again: the stream may be done now
+            elif (requests_done or (drain is not None and drain.draining)) and not calls:
                 return
     finally:
+        if unlisten is not None:
+            unlisten()
         reader.cancel()
         for task in list(calls.values()):
             task.cancel()
         await asyncio.gather(reader, *calls.values(), return_exceptions=True)
 
 
+def _drain_of(servicer: Any) -> Drain:
+    """The servicer's `drain`; one that never begins for a servicer without."""
+    return getattr(servicer, "drain", None) or Drain()
+
+
 def call_method(handle: Callable[[Any, Any], AsyncIterator[Any]]):
     """A servicer method for the per-request RPC whose calls `handle(self, request)`
-    answers (Chat, Generate). An async generator function, as gRPC needs: it runs
-    any other handler on a thread."""
+    answers (Chat, Generate), following the servicer's `drain`. An async generator
+    function, as gRPC needs: it runs any other handler on a thread."""
 
     async def method(self, request, context):
-        async for response in handle(self, request):
-            yield response
+        drain = _drain_of(self)
+        drain.refuse_new()
+        try:
+            with drain.carrying(asyncio.current_task()):
+                async for response in handle(self, request):
+                    yield response
+        except asyncio.CancelledError:
+            if not drain.expired:
+                raise
+            raise drain.expiry_error() from None
 
     return method
 
 
 def multiplexed_method(handle: Callable[[Any, Any], AsyncIterator[Any]], response_type: type, event_type: type):
     """A servicer method for a multiplexed RPC whose calls `handle(self, request)`
-    answers. An async generator function, as `call_method`'s; `serve_calls` is
-    closed when the method ends, however it ends, so no call outlives its stream."""
+    answers, following the servicer's `drain`. An async generator function, as
+    `call_method`'s; `serve_calls` is closed when the method ends, however it
+    ends, so no call outlives its stream."""
 
     async def method(self, request_iterator, context):
         async with aclosing(serve_calls(request_iterator, partial(handle, self), response_type,
-                                        event_type)) as responses:
+                                        event_type, _drain_of(self))) as responses:
             async for response in responses:
                 yield response
 
@@ -158,6 +191,9 @@ class MultiplexedCall:
         self._timer = None
         self._max_buffered_bytes = max_buffered_bytes
         self._buffered_bytes = 0
+        self._request: Any = None  # what started it, to start it again if a draining server refused it
+        self._received = False
+        self._resent = False
         if timeout_s is not None:
             self._timer = asyncio.get_running_loop().call_later(timeout_s, self._expire)
 
@@ -201,6 +237,10 @@ class MultiplexedCall:
     def cancel(self) -> bool:
         """Stop the call on the server; nothing more is read. False if it had ended."""
         return self._stop(_error(grpc.StatusCode.CANCELLED, "Locally cancelled by application!"))
+
+    def abort(self, code: grpc.StatusCode, details: str) -> bool:
+        """As `cancel`, but the reader gets `code` and `details` (what ended it, for its client)."""
+        return self._stop(_error(code, details))
 
     async def read(self) -> Any:
         """The next message, or grpc.aio.EOF after the last. Raises AioRpcError."""
@@ -246,7 +286,8 @@ class _Stream:
 
 class CallMultiplexer:
     """The client side: one multiplexed stream, opened on first use and again
-    after it failed (its calls then end with the stream's error)."""
+    after it failed (its calls then end with the stream's error) or after its
+    server, draining, refused a call (that call is started once more on the new one)."""
 
     def __init__(self, open_stream: Callable[[AsyncIterator[Any]], Any], request_type: type):
         """`open_stream`: the stub's multiplexed method, e.g. `stub.ChatStream`."""
@@ -259,6 +300,12 @@ class CallMultiplexer:
               max_buffered_bytes: int | None = None) -> MultiplexedCall:
         """Start a call; a `timeout_s` deadline cancels it and reads DEADLINE_EXCEEDED,
         more than `max_buffered_bytes` unread cancels it and reads RESOURCE_EXHAUSTED."""
+        call = MultiplexedCall(lambda: None, timeout_s, max_buffered_bytes)
+        self._send(call, request)
+        return call
+
+    def _send(self, call: MultiplexedCall, request: Any) -> None:
+        """Start `call` on the open stream (opening one if none is)."""
         stream = self._stream
         if stream is None:
             stream = self._stream = _Stream(self._open_stream)
@@ -269,10 +316,24 @@ class CallMultiplexer:
             if stream.calls.pop(call_id, None) is not None:
                 stream.outgoing.put_nowait(self._request_type(call_id=call_id, cancel=True))
 
-        call = MultiplexedCall(cancel, timeout_s, max_buffered_bytes)
+        call._cancel = cancel
+        call._request = request
         stream.calls[call_id] = call
         stream.outgoing.put_nowait(self._request_type(call_id=call_id, start=request))
-        return call
+
+    def _resend_refused(self, stream: _Stream, call: MultiplexedCall, end: status_pb2.Status) -> bool:
+        """A call the server refused because it drains never started: the stream
+        takes no new calls, so the next ones (this one first, once) go on a new
+        stream, which a server that drains gracefully (tokenizer: it stops
+        listening) lets the channel open elsewhere."""
+        if end.code != grpc.StatusCode.UNAVAILABLE.value[0] or not end.message.endswith(REFUSED) \
+                or call._received or call._resent or call._end is not None:
+            return False
+        if self._stream is stream:
+            self._stream = None
+        call._resent = True
+        self._send(call, call._request)
+        return True
 
     async def _read(self, stream: _Stream) -> None:
         error = _error(grpc.StatusCode.UNAVAILABLE, "the multiplexed stream ended")
@@ -283,10 +344,13 @@ class CallMultiplexer:
                     if call is None:
                         continue  # cancelled here; the server had sent this already
                     if event.WhichOneof("event") == "response":
+                        call._received = True
                         call._deliver(event.response)
                         continue
                     del stream.calls[event.call_id]
                     end = event.end
+                    if self._resend_refused(stream, call, end):
+                        continue
                     call._finish(None if end.code == 0 else _error(_CODES.get(end.code, grpc.StatusCode.UNKNOWN),
                                                                    end.message))
         except grpc.aio.AioRpcError as exc:
@@ -298,6 +362,11 @@ class CallMultiplexer:
                 call._finish(error)
             stream.calls.clear()
             stream.end()
+
+    def abort_all(self, code: grpc.StatusCode, details: str) -> int:
+        """End every running call as `MultiplexedCall.abort` does; how many there were."""
+        calls = list(self._stream.calls.values()) if self._stream is not None else []
+        return sum(call.abort(code, details) for call in calls)
 
     async def close(self) -> None:
         stream, self._stream = self._stream, None

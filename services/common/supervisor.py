@@ -31,12 +31,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.common.config import env_name
+from services.common.drain import DEFAULT_DRAIN_TIMEOUT_S
 from services.common.log import setup_logging
 
 log = logging.getLogger("stormserve.supervisor")
 
 PR_SET_PDEATHSIG = 1
-STOP_GRACE_S = 15.0
+# A stopped service may drain for its drain timeout; this much more to exit before it is killed.
+STOP_MARGIN_S = 10.0
 # Restarts: the first after INITIAL_BACKOFF_S, each next one twice as late, at
 # most MAX_BACKOFF_S; a service that stayed up STABLE_AFTER_S starts over.
 INITIAL_BACKOFF_S = 1.0
@@ -205,6 +208,13 @@ class Chain:
             time.sleep(0.5)
         raise TimeoutError(f"the chain did not become healthy within {timeout_s:.0f} s")
 
+    @property
+    def stop_grace_s(self) -> float:
+        """How long a service may take to stop: the drain timeout it runs with, and a margin."""
+        name = env_name("drain_timeout_s")
+        drain_s = self.env.get(name) or os.environ.get(name) or DEFAULT_DRAIN_TIMEOUT_S
+        return float(drain_s) + STOP_MARGIN_S
+
     def stop(self) -> None:
         """Front to back, so each service drains while the one behind it still answers.
         Nothing is restarted from the moment it is called."""
@@ -215,7 +225,7 @@ class Chain:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
                 try:
-                    proc.wait(STOP_GRACE_S)
+                    proc.wait(self.stop_grace_s)
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()

@@ -8,7 +8,8 @@
     GET  /docs                  Swagger UI on /openapi.json
 
 With API keys configured every route but /health needs `Authorization: Bearer`
-(auth.py); load balancers probe /health without credentials.
+(auth.py); load balancers probe /health without credentials. Once the edge
+drains (SIGTERM) every new request, /health included, gets 503 (drain.py).
 """
 from __future__ import annotations
 
@@ -22,8 +23,10 @@ from stormserve.chat.v1 import chat_pb2
 
 from services.http_edge import openapi
 from services.http_edge.auth import ApiKeyCheck, load_api_keys
+from services.common.drain import Drain
 from services.http_edge.backend import ChatBackend
 from services.http_edge.config import EdgeConfig
+from services.http_edge.drain import RefuseWhileDraining
 from services.http_edge.errors import EdgeError, install_error_handlers, unavailable
 from services.http_edge.serving import ChatCompletions
 
@@ -59,6 +62,8 @@ def create_app(config: EdgeConfig, backend: ChatBackend | None = None) -> FastAP
     )
     app.state.config = config
     app.state.backend = backend
+    app.state.drain = Drain("http_edge")
+    app.add_middleware(RefuseWhileDraining, drain=app.state.drain)
     install_error_handlers(app)
     chat_completions = ChatCompletions(config, backend)
     api_keys = load_api_keys(config)

@@ -81,6 +81,10 @@ class ChatBackend:
                 return model
         raise invalid_input("Model not found")
 
+    def abort_all(self, code: grpc.StatusCode, details: str) -> int:
+        """End every running Chat call: its reader gets `code` and `details`."""
+        return self._calls.abort_all(code, details) if self._calls is not None else 0
+
     async def is_serving(self) -> bool:
         self._chat_stub()
         assert self._channel is not None

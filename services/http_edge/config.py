@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.common.config import require, setting
+from services.common.drain import check_drain_timeout, drain_timeout_setting
 
 MAX_E2E_TIMEOUT_S = 65535  # MindIE's e2eTimeout range is [1, 65535] s
 MAX_HEADER_KIB = 1024  # a head above 1 MiB is no API request; also bounds what a client makes us buffer
@@ -38,9 +39,7 @@ class EdgeConfig:
     stream_stall_timeout_s: float = setting(
         30.0, "seconds a streaming client may accept no data while its reply waits before the request is "
         "cancelled and the connection closed, (0, 3600]")
-    shutdown_grace_s: float = setting(
-        5.0, "seconds open requests may finish after SIGTERM before they are cut, >= 0"
-    )
+    drain_timeout_s: float = drain_timeout_setting()
     max_header_kib: int = setting(
         32, f"largest request head (request line and header fields) in KiB, [1, {MAX_HEADER_KIB}]; "
         "larger gets 431"
@@ -87,9 +86,7 @@ class EdgeConfig:
         require(0 < self.stream_stall_timeout_s <= 3600,
                 f"stream_stall_timeout_s must be in (0, 3600], got {self.stream_stall_timeout_s}")
         require(self.models_cache_s >= 0, f"models_cache_s must be >= 0, got {self.models_cache_s}")
-        require(
-            self.shutdown_grace_s >= 0, f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}"
-        )
+        check_drain_timeout(self.drain_timeout_s)
         require(
             1 <= self.max_header_kib <= MAX_HEADER_KIB,
             f"max_header_kib must be in [1, {MAX_HEADER_KIB}], got {self.max_header_kib}",

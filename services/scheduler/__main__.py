@@ -44,10 +44,10 @@ async def main() -> None:
         watcher = EndpointSliceWatcher(api, config.worker_service, on_slices)
         log.info("workers: the EndpointSlices of service %s/%s at %s", api.namespace, config.worker_service,
                  api.base_url)
-    service = GrpcService("scheduler", config.host, config.port)
+    service = GrpcService("scheduler", config.host, config.port, config.drain_timeout_s)
     service.add(
         scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server,
-        SchedulerServicer(config, router),
+        SchedulerServicer(config, router, service.drain),
         scheduler_pb2.DESCRIPTOR.services_by_name["SchedulerService"],
     )
     await service.start()

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.common.config import require, setting
+from services.common.drain import check_drain_timeout, drain_timeout_setting
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,7 @@ class SchedulerConfig:
     max_seq_len: int = setting(2560, "prompt + output cap in tokens", alias="maxSeqLen")
     max_iter_times: int = setting(512, "default and upper cap of max_tokens", alias="maxIterTimes")
     max_queue_size: int = setting(4096, "most requests waiting before new ones are refused")
+    drain_timeout_s: float = drain_timeout_setting()
 
     def __post_init__(self) -> None:
         require(self.worker_discovery in ("static", "endpointslices"),
@@ -43,3 +45,4 @@ class SchedulerConfig:
         require(self.max_seq_len >= 2, "maxSeqLen must be >= 2")
         require(self.max_iter_times >= 1, "maxIterTimes must be >= 1")
         require(self.max_queue_size >= 1, "max_queue_size must be >= 1")
+        check_drain_timeout(self.drain_timeout_s)

@@ -188,8 +188,9 @@ def to_response(update: ChoiceUpdate, choices: Choices) -> scheduler_pb2.Generat
 def to_worker_load(engine: EngineLoop, draining: bool = False) -> scheduler_pb2.WorkerLoad:
     load = scheduler_pb2.WorkerLoad(
         address=engine.worker.address,
-        is_ready=engine.is_ready,
-        draining=draining,
+        # A draining worker (its endpoint or its own health says so) is not ready for new sequences.
+        is_ready=engine.accepts_sequences and not draining,
+        draining=draining or engine.is_draining,
         num_steps=engine.num_steps,
         num_sequences=engine.num_sequences,
     )

@@ -1,7 +1,9 @@
 """The engine loop for one worker: plan, execute, account — and deliver each
 token to its request's stream. Also watches the worker's health: when it is
-down its in-flight requests end with an error and new ones go elsewhere; it
-rejoins when healthy again.
+down (does not answer) its in-flight requests end with an error and new ones
+go elsewhere; it rejoins when healthy again. A worker that answers NOT_SERVING
+after it was ready is draining (it got SIGTERM): it takes no new sequences,
+and the ones it has run to the end, unless its step stream breaks.
 
 Steps are pipelined one deep: once step N is sent, step N+1 is planned and sent
 before N's answer is awaited (the policy plans from where N leaves each
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 from services.common.errors import WORKER_LOST
 from services.scheduler.policy import BatchPolicy, StepPlan, WorkerCapacity
 from services.scheduler.sequence import FinishReason, Sequence, TokenEvent
-from services.scheduler.worker_client import WorkerClient, WorkerError
+from services.scheduler.worker_client import WorkerClient, WorkerError, WorkerHealth
 
 log = logging.getLogger(__name__)
 HEALTH_POLL_S = 1.0
@@ -57,15 +59,22 @@ class EngineLoop:
         self._streams: dict[str, asyncio.Queue[StreamItem]] = {}
         self._wakeup = asyncio.Event()
         self._ready = asyncio.Event()
+        self.is_draining = False
         self._tasks: list[asyncio.Task] = []
         # The worker's last Describe answer, and a check of it before the worker
         # may join (the router's: the same model as the others); it returns why not.
         self.info = None
         self.admit: Callable[[object], str | None] | None = None
+        self._refused: str | None = None  # the last refusal logged
 
     @property
     def is_ready(self) -> bool:
         return self._ready.is_set()
+
+    @property
+    def accepts_sequences(self) -> bool:
+        """Ready and not draining: new sequences may be placed here."""
+        return self.is_ready and not self.is_draining
 
     @property
     def load(self) -> int:
@@ -180,33 +189,46 @@ class EngineLoop:
         policy.forget_worker_state()
 
     async def _watch_health(self) -> None:
-        refused = None
         while True:
-            serving = await self.worker.is_serving()
-            if serving and not self.is_ready:
-                try:
-                    capacity, info = await self.worker.describe()
-                except Exception as exc:  # noqa: BLE001 - retried on the next poll
-                    log.warning("describe %s failed: %s", self.worker.address, exc)
-                else:
-                    refusal = self.admit(info) if self.admit is not None else None
-                    if refusal is not None:
-                        if refusal != refused:  # once, not every poll
-                            log.error("worker %s refused: %s", self.worker.address, refusal)
-                        refused = refusal
-                        await asyncio.sleep(HEALTH_POLL_S)
-                        continue
-                    self.info = info
-                    self._become_ready(capacity)
-                    log.info("worker %s ready: %s, %d KV blocks of %d tokens",
-                             self.worker.address, info.model_path, capacity.num_kv_blocks, capacity.block_size)
-            elif not serving and self.is_ready:
-                log.error("worker %s is not serving", self.worker.address)
-                self._fail_all(f"worker {self.worker.address} is not serving")
+            await self.on_health(await self.worker.health())
             await asyncio.sleep(HEALTH_POLL_S)
+
+    async def on_health(self, health: WorkerHealth) -> None:
+        address = self.worker.address
+        if health is WorkerHealth.SERVING and not self.is_ready:
+            try:
+                capacity, info = await self.worker.describe()
+            except Exception as exc:  # noqa: BLE001 - retried on the next poll
+                log.warning("describe %s failed: %s", address, exc)
+            else:
+                refusal = self.admit(info) if self.admit is not None else None
+                if refusal is not None:
+                    if refusal != self._refused:  # once, not every poll
+                        log.error("worker %s refused: %s", address, refusal)
+                    self._refused = refusal
+                    return
+                self.info = info
+                self._become_ready(capacity)
+                log.info("worker %s ready: %s, %d KV blocks of %d tokens",
+                         address, info.model_path, capacity.num_kv_blocks, capacity.block_size)
+        elif health is WorkerHealth.SERVING and self.is_draining:
+            log.info("worker %s is serving again", address)
+            self.is_draining = False
+        elif health is WorkerHealth.NOT_SERVING and self.is_ready and not self.is_draining:
+            log.info("worker %s is draining: no new sequences; its %d unfinished ones go on", address, self.load)
+            self.is_draining = True
+        elif health is WorkerHealth.DOWN and self.is_ready:
+            if self.is_draining and self.load == 0:
+                log.info("worker %s drained and left", address)
+                self._ready.clear()
+                self.worker.reset()
+            else:
+                log.error("worker %s is not serving", address)
+                self._fail_all(f"worker {address} is not serving")
 
     def _become_ready(self, capacity: WorkerCapacity) -> None:
         # A (re)started worker holds no KV state: start from a fresh policy.
         self.policy = BatchPolicy(capacity, self.max_batch_size, self.max_prefill_tokens)
+        self.is_draining = False
         self._ready.set()
         self._wakeup.set()

@@ -70,8 +70,9 @@ class Router:
 
     @property
     def ready_engines(self) -> list[EngineLoop]:
-        """Engines that take new sequences: ready and not draining."""
-        return [e for e in self.engines if e.is_ready and id(e) not in self._draining]
+        """Engines that take new sequences: ready, not draining by their own health
+        (SIGTERM) nor by their endpoint (not ready or terminating)."""
+        return [e for e in self.engines if e.accepts_sequences and id(e) not in self._draining]
 
     def place(self, seq: Sequence) -> EngineLoop:
         ready = self.ready_engines

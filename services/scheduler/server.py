@@ -8,6 +8,7 @@ import logging
 
 import grpc
 
+from services.common.drain import Drain
 from services.common.errors import ServiceError
 from services.common.multiplex import call_method, multiplexed_method
 from services.scheduler.choices import Choices
@@ -22,9 +23,10 @@ log = logging.getLogger(__name__)
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
-    def __init__(self, config: SchedulerConfig, router: Router):
+    def __init__(self, config: SchedulerConfig, router: Router, drain: Drain | None = None):
         self.config = config
         self.router = router
+        self.drain = drain or Drain("scheduler")  # refuses new Generate calls once SIGTERM came
         self._live: dict[str, tuple[EngineLoop, Choices]] = {}
 
     async def _generate(self, request):

@@ -4,16 +4,24 @@ The only module (with convert.py) that touches worker protobufs."""
 from __future__ import annotations
 
 import asyncio
+import enum
 
 import grpc
+from grpc_health.v1 import health_pb2
 
-from services.common.grpc_server import channel, is_serving
+from services.common.grpc_server import channel, health_status
 from services.scheduler.plan import SampledToken, ScheduledSequence, StepPlan, WorkerCapacity
 from stormserve.worker.v1 import worker_pb2, worker_pb2_grpc
 
 
 class WorkerError(Exception):
     """The worker failed a step or cannot be reached."""
+
+
+class WorkerHealth(enum.Enum):
+    SERVING = "serving"
+    NOT_SERVING = "not serving"  # loading, or draining: it still answers, and still runs steps
+    DOWN = "down"  # does not answer
 
 
 class WorkerClient:
@@ -23,8 +31,11 @@ class WorkerClient:
         self._stub = worker_pb2_grpc.WorkerServiceStub(self._channel)
         self._steps: grpc.aio.StreamStreamCall | None = None
 
-    async def is_serving(self) -> bool:
-        return await is_serving(self._channel)
+    async def health(self) -> WorkerHealth:
+        status = await health_status(self._channel)
+        if status is None:
+            return WorkerHealth.DOWN
+        return WorkerHealth.SERVING if status == health_pb2.HealthCheckResponse.SERVING else WorkerHealth.NOT_SERVING
 
     async def describe(self) -> tuple[WorkerCapacity, worker_pb2.DescribeResponse]:
         reply = await self._stub.Describe(worker_pb2.DescribeRequest(), timeout=10)

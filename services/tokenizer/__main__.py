@@ -22,7 +22,7 @@ async def main() -> None:
     exit_with_supervisor()
     config = load_config(TokenizerConfig)
     log = setup_logging("tokenizer")
-    service = GrpcService("tokenizer", config.host, config.port)
+    service = GrpcService("tokenizer", config.host, config.port, config.drain_timeout_s)
     model_dir = await asyncio.to_thread(resolve_model, config.model_path)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model_config = AutoConfig.from_pretrained(model_dir)
@@ -33,7 +33,7 @@ async def main() -> None:
     await asyncio.to_thread(core.prompts.warm_up)
     scheduler_channel = channel(config.scheduler_address)
     scheduler = SchedulerClient(scheduler_channel)
-    service.add(chat_pb2_grpc.add_ChatServiceServicer_to_server, ChatServicer(core, scheduler),
+    service.add(chat_pb2_grpc.add_ChatServiceServicer_to_server, ChatServicer(core, scheduler, service.drain),
                 chat_pb2.DESCRIPTOR.services_by_name["ChatService"])
     service.add(tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server, TokenizerServicer(core),
                 tokenizer_pb2.DESCRIPTOR.services_by_name["TokenizerService"])
@@ -55,7 +55,8 @@ async def main() -> None:
             await asyncio.sleep(UPSTREAM_POLL_S)
 
     follower = asyncio.create_task(follow_scheduler())
-    await service.serve_forever()
+    # Its callers need no new RPC for a running call: new ones go to another replica.
+    await service.serve_forever(stop_listening=True)
     follower.cancel()
     await scheduler.close()
     await scheduler_channel.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.common.config import require, setting
+from services.common.drain import check_drain_timeout, drain_timeout_setting
 from services.common.model_files import DEFAULT_MODEL_NAME
 from services.tokenizer.parsers import PARSERS, REASONING_PARSERS
 
@@ -42,6 +43,7 @@ class TokenizerConfig:
         1024, "memory in MiB one render process may add to what it maps at start, [64, 65536]")
     render_processes: int = setting(
         2, "processes rendering the model's chat template, [1, 64]; request-supplied templates get one more")
+    drain_timeout_s: float = drain_timeout_setting()
 
     def __post_init__(self) -> None:
         require(0 < len(self.model_name) <= 256, "modelName must have 1-256 characters")
@@ -56,3 +58,4 @@ class TokenizerConfig:
         require(64 <= self.template_memory_mib <= 65536, "template_memory_mib must be in [64, 65536]")
         require(1 <= self.render_processes <= 64, "render_processes must be in [1, 64]")
         require("</think>" in self.early_stopping_text, "early_stopping_text must contain </think>")
+        check_drain_timeout(self.drain_timeout_s)

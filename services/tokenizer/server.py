@@ -9,6 +9,7 @@ from functools import partial
 
 import grpc
 
+from services.common.drain import Drain
 from services.common.errors import ServiceError, client_message, invalid_argument
 from services.common.multiplex import CallMultiplexer, MultiplexedCall, call_method, multiplexed_method
 from services.tokenizer.config import TokenizerConfig
@@ -134,9 +135,10 @@ class SchedulerClient:
 
 
 class ChatServicer(chat_pb2_grpc.ChatServiceServicer):
-    def __init__(self, core: TokenizerCore, scheduler: SchedulerClient):
+    def __init__(self, core: TokenizerCore, scheduler: SchedulerClient, drain: Drain | None = None):
         self.core = core
         self.scheduler = scheduler
+        self.drain = drain or Drain("tokenizer")  # refuses new Chat calls once SIGTERM came
 
     async def _chat(self, request):
         arrival_us = request.arrival_time_us or time.time_ns() // 1000

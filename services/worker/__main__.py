@@ -34,9 +34,15 @@ def load_runner(config: WorkerConfig) -> ModelRunner:
     return runner
 
 
+# A draining worker stays up this long with nothing to run, so that the scheduler
+# (health polled every second) has seen NOT_SERVING before it goes: a sequence
+# placed here just before that still gets served.
+DRAIN_SETTLE_S = 2.0
+
+
 async def serve(config: WorkerConfig, log: logging.Logger) -> None:
-    service = GrpcService("worker", config.host, config.port)
-    servicer = WorkerServicer()
+    service = GrpcService("worker", config.host, config.port, config.drain_timeout_s)
+    servicer = WorkerServicer(drain=service.drain)
     service.add(
         worker_pb2_grpc.add_WorkerServiceServicer_to_server,
         servicer,
@@ -47,7 +53,7 @@ async def serve(config: WorkerConfig, log: logging.Logger) -> None:
     await servicer.load(functools.partial(load_runner, config))
     await service.set_serving(True)
     log.info("serving on port %d", service.port)
-    await service.serve_forever()
+    await service.serve_forever(servicer.is_idle, DRAIN_SETTLE_S)
     servicer.close()
 
 

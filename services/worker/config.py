@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.common.config import require, setting
+from services.common.drain import check_drain_timeout, drain_timeout_setting
 
 DEVICES = ("auto", "cpu", "cuda", "npu")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -33,6 +34,7 @@ class WorkerConfig:
     max_seq_len: int = setting(2560, "prompt + output cap in tokens (sizes the automatic KV budget)",
                                alias="maxSeqLen")
     num_threads: int = setting(0, "torch intra-op CPU threads; 0 = torch default")
+    drain_timeout_s: float = drain_timeout_setting()
 
     def __post_init__(self) -> None:
         require(0 <= self.port <= 65535, f"port must be in [0, 65535], got {self.port}")
@@ -46,3 +48,4 @@ class WorkerConfig:
         require(self.max_seq_len >= 2, f"max_seq_len must be >= 2, got {self.max_seq_len}")
         require(self.max_batch_size >= 1, f"max_batch_size must be >= 1, got {self.max_batch_size}")
         require(self.num_threads >= 0, f"num_threads must be >= 0, got {self.num_threads}")
+        check_drain_timeout(self.drain_timeout_s)

@@ -3,7 +3,14 @@ asyncio loop (health checks, other calls) never waits on the model.
 
 Loading and warm-up run on that same thread: every thread that runs torch ops
 gets its own OpenMP team, and with a second team around (one thread loads, the
-other steps) decode steps measured 20 to 40 % slower on a 2-core machine."""
+other steps) decode steps measured 20 to 40 % slower on a 2-core machine.
+
+Drain: on SIGTERM the worker's health turns NOT_SERVING, which the scheduler
+reads as "draining" (no new sequences here) as long as steps are still
+answered; the running sequences go on until the scheduler has released them
+all, then the worker exits. New step streams are refused. At the drain timeout
+an open step stream ends with UNAVAILABLE naming it, and the scheduler ends the
+sequences it carried with that error."""
 from __future__ import annotations
 
 import asyncio
@@ -13,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
+from services.common.drain import Drain
 from services.common.errors import ServiceError
 from services.worker import convert
 from services.worker.model_runner import ModelRunner
@@ -33,11 +41,14 @@ class _StreamState:
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     """Answers UNAVAILABLE until `attach` hands it a loaded, warmed-up runner."""
 
-    def __init__(self, runner: ModelRunner | None = None):
+    def __init__(self, runner: ModelRunner | None = None, drain: Drain | None = None):
         # One thread: steps are strictly ordered and the runner is single-threaded.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="worker-step")
         self._runner: ModelRunner | None = None
         self._description: worker_pb2.DescribeResponse | None = None
+        self.drain = drain or Drain("worker")
+        self.drain.listen(self._on_drain)
+        self._steps_in_flight = 0
         if runner is not None:
             self.attach(runner)
 
@@ -58,6 +69,19 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self._require_runner()
         return self._description
 
+    def _on_drain(self) -> None:
+        state = "timed out" if self.drain.expired else "draining"
+        log.info("%s with %d sequences running", state, self.num_sequences)
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences whose state the runner holds (the scheduler has not released them)."""
+        return 0 if self._runner is None else len(self._runner.sequences)
+
+    def is_idle(self) -> bool:
+        """No sequence held and no step running: a draining worker may go."""
+        return self.num_sequences == 0 and self._steps_in_flight == 0
+
     async def Step(self, request: worker_pb2.StepRequest, context) -> worker_pb2.StepResponse:
         return await self._submit(request, _StreamState())
 
@@ -69,6 +93,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         scheduler stopped, was restarted, or found this worker lost) nothing will
         release the sequences still on it, and a restarted scheduler numbers its
         sequences from 1 again: they are forgotten, after the stream's last step."""
+        self.drain.refuse_new()
+        try:
+            with self.drain.carrying(asyncio.current_task(), count=False):
+                async for response in self._step_stream(request_iterator):
+                    yield response
+        except asyncio.CancelledError:
+            if not self.drain.expired:
+                raise
+            raise self.drain.expiry_error() from None
+
+    async def _step_stream(self, request_iterator):
         state = _StreamState()
         answers: asyncio.Queue[asyncio.Task | None] = asyncio.Queue()
 
@@ -124,7 +159,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             )
             return convert.step_to_proto(request.step_id, result)
 
-        return await asyncio.get_running_loop().run_in_executor(self._executor, run)
+        self._steps_in_flight += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._executor, run)
+        finally:
+            self._steps_in_flight -= 1
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)

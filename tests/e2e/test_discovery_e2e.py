@@ -203,7 +203,7 @@ def test_a_worker_marked_not_ready_drains(cluster):
         cluster.publish(name)
         draining = cluster.wait(lambda: cluster.workers()[busy].draining and cluster.workers()[busy],
                                 "the worker drains")
-        assert draining.num_running == 1 and draining.is_ready  # its stream still runs there
+        assert draining.num_running == 1 and not draining.is_ready  # its stream still runs there; nothing new
         assert cluster.load().num_workers_ready == 2
         placed = draining.num_sequences
         with ThreadPoolExecutor(4) as more:

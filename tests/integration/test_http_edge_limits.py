@@ -44,7 +44,7 @@ class Reply(NamedTuple):
 @asynccontextmanager
 async def real_edge(chat_port: int, **config: Any) -> AsyncIterator[int]:
     """build_server's uvicorn on a free port; yields the port."""
-    server = build_server(EdgeConfig(tokenizer_address=f"127.0.0.1:{chat_port}", shutdown_grace_s=1,
+    server = build_server(EdgeConfig(tokenizer_address=f"127.0.0.1:{chat_port}", drain_timeout_s=1,
                                      **{**LIMITS, **config}))
     async with serving(server) as port:
         yield port

@@ -41,7 +41,7 @@ def test_process_serves_and_stops_cleanly(sig: signal.Signals) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "gen"), str(ROOT)])}
     proc = subprocess.Popen(
         [sys.executable, "-m", "services.http_edge", "--port", str(port),
-         "--tokenizer-address", f"127.0.0.1:{dead_backend}", "--shutdown-grace-s", "1"],
+         "--tokenizer-address", f"127.0.0.1:{dead_backend}", "--drain-timeout-s", "1"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
     )
     try:

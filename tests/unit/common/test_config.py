@@ -34,3 +34,16 @@ def test_invalid_values_exit_with_a_message(capsys):
     assert "port must be > 0" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         load_config(DemoConfig, ["--enabled", "maybe"], {})
+
+
+def test_one_drain_timeout_for_every_service():
+    """The chart sizes terminationGracePeriodSeconds from this one variable."""
+    from services.http_edge.config import EdgeConfig
+    from services.scheduler.config import SchedulerConfig
+    from services.tokenizer.config import TokenizerConfig
+    from services.worker.config import WorkerConfig
+
+    for cls in (EdgeConfig, TokenizerConfig, SchedulerConfig, WorkerConfig):
+        assert cls().drain_timeout_s == 30.0
+        assert load_config(cls, [], {"STORMSERVE_DRAIN_TIMEOUT_S": "7.5"}).drain_timeout_s == 7.5
+        assert load_config(cls, ["--drain-timeout-s", "0"], {}).drain_timeout_s == 0.0

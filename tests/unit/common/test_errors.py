@@ -6,7 +6,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from services.common.errors import ServiceError, client_message, status_of
+from services.common.errors import ServiceError, client_message, drain_expired, drain_refused, status_of
 
 # As grpc.aio reports a peer that is down, a socket that broke, an oversized message.
 CONNECT_FAILED = ("failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:50052: "
@@ -67,3 +67,10 @@ def test_an_unexpected_exception_is_logged_with_the_request_and_answered_without
     assert "chatcmpl-7" in record.getMessage() and isinstance(record.exc_info[1], KeyError)
     assert status_of(ServiceError(grpc.StatusCode.OUT_OF_RANGE, "too long")) == (
         grpc.StatusCode.OUT_OF_RANGE, "too long")
+
+
+@pytest.mark.parametrize("details", [drain_refused("tokenizer"), drain_expired("http_edge", 0.5),
+                                     drain_expired("worker", 30)])
+def test_a_draining_services_own_words_reach_the_client(details):
+    assert client_message(grpc.StatusCode.UNAVAILABLE, details) == details
+    assert client_message(grpc.StatusCode.UNAVAILABLE, "127.0.0.1:1 " + details) != details

@@ -52,7 +52,7 @@ def test_flags_aliases_and_environment() -> None:
         {"request_timeout_s": 0},
         {"request_timeout_s": 70000},
         {"models_cache_s": -1},
-        {"shutdown_grace_s": -0.5},
+        {"drain_timeout_s": -0.5},
         {"max_header_kib": 0},
         {"max_header_kib": 1025},
         {"max_headers": 0},

@@ -286,7 +286,7 @@ def test_lone_surrogate_is_422_not_500() -> None:
     app, backend = make_app([text_chunk("ok", chat_pb2.FINISH_REASON_STOP)])
     raw = json.dumps({**BODY, "messages": [{"role": "user", "content": "A\ud800B"}]}).encode()
     assert b"\\ud800" in raw  # the escape is valid JSON
-    reply = request(app, "POST", "/v1/chat/completions", content=raw)
+    reply = request(app, "POST", "/v1/chat/completions", content=raw, headers=JSON)
     assert (reply.status_code, reply.json()) == (
         422, error_body("messages[0].content is not valid Unicode (a lone surrogate)", "Input Validation Error", 422)
     )
@@ -296,7 +296,7 @@ def test_lone_surrogate_is_422_not_500() -> None:
 def test_duplicate_key_is_422() -> None:
     app, backend = make_app([text_chunk("ok", chat_pb2.FINISH_REASON_STOP)])
     raw = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": true, "stream": false}'
-    reply = request(app, "POST", "/v1/chat/completions", content=raw)
+    reply = request(app, "POST", "/v1/chat/completions", content=raw, headers=JSON)
     assert (reply.status_code, reply.json()) == (
         422, error_body('duplicate key "stream" in the body', "Input Validation Error", 422)
     )

@@ -13,6 +13,7 @@ from services.scheduler.discovery import Endpoint, WorkerPool, merge_slices
 from services.scheduler.engine import EngineLoop, SequenceFailed
 from services.scheduler.policy import WorkerCapacity
 from services.scheduler.router import Router
+from services.scheduler.worker_client import WorkerHealth
 from tests.fake_kube import endpoint_slice, slice_endpoint
 from tests.unit.scheduler.test_policy import make_seq
 
@@ -76,8 +77,8 @@ class FakeWorkerClient:
         self.info = info
         self.closed = False
 
-    async def is_serving(self) -> bool:
-        return True
+    async def health(self) -> WorkerHealth:
+        return WorkerHealth.SERVING
 
     async def describe(self):
         return WorkerCapacity(num_kv_blocks=64, block_size=4, max_batch_size=8, eos_token_ids=frozenset({2})), self.info
@@ -219,7 +220,7 @@ def test_get_load_lists_discovered_workers_and_their_drain(draining):
 
     load = asyncio.run(scenario())
     assert [(w.address, w.is_ready, w.draining) for w in load.workers] == [
-        ("10.0.0.1:50053", True, draining), ("10.0.0.2:50053", True, False)]
+        ("10.0.0.1:50053", not draining, draining), ("10.0.0.2:50053", True, False)]  # draining: not ready
     assert load.num_workers_ready == (1 if draining else 2)
 
 

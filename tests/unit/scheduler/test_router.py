@@ -15,6 +15,11 @@ class FakeEngine:
     load: int = 0
     cached: int = 0
     is_ready: bool = True
+    is_draining: bool = False
+
+    @property
+    def accepts_sequences(self) -> bool:
+        return self.is_ready and not self.is_draining
 
     def num_cached_prefix_tokens(self, seq) -> int:
         return self.cached
@@ -49,3 +54,11 @@ def test_only_ready_workers_and_unavailable_when_none():
     assert Router(engines).place(make_seq(1)) is engines[1]
     with pytest.raises(ServiceError):
         Router([FakeEngine(is_ready=False)]).place(make_seq(1))
+
+
+def test_a_draining_worker_gets_no_new_sequence_even_with_the_best_prefix():
+    engines = [FakeEngine(load=0, cached=100, is_draining=True), FakeEngine(load=3)]
+    assert Router(engines).place(make_seq(1, prompt_len=100)) is engines[1]
+    assert Router(engines).ready_engines == [engines[1]]
+    with pytest.raises(ServiceError):
+        Router([FakeEngine(is_draining=True)]).place(make_seq(1))

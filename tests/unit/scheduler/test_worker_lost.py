@@ -6,7 +6,7 @@ import asyncio
 
 from services.scheduler.engine import WORKER_LOST, EngineLoop, SequenceFailed
 from services.scheduler.plan import WorkerCapacity
-from services.scheduler.worker_client import WorkerError
+from services.scheduler.worker_client import WorkerError, WorkerHealth
 from tests.unit.scheduler.test_policy import make_seq
 
 ADDRESS = "127.0.0.1:50999"
@@ -20,8 +20,8 @@ class DyingWorker:
     def __init__(self):
         self.sent = 0
 
-    async def is_serving(self) -> bool:
-        return True
+    async def health(self) -> WorkerHealth:
+        return WorkerHealth.SERVING
 
     async def describe(self):
         capacity = WorkerCapacity(num_kv_blocks=64, block_size=4, max_batch_size=8, eos_token_ids=frozenset({2}))

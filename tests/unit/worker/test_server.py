@@ -1,13 +1,16 @@
 """WorkerService over real gRPC (in-process server on port 0): conversion,
-status codes, and the not-yet-loaded state."""
+status codes, the not-yet-loaded state, and the drain on SIGTERM."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2
 
 from services.common.errors import ErrorInterceptor
+from services.common.grpc_server import GrpcService, health_status
 from services.worker.model_runner import ModelRunner
 from services.worker.server import WorkerServicer
 from stormserve.worker.v1 import worker_pb2, worker_pb2_grpc
@@ -163,3 +166,71 @@ def test_the_sequences_a_step_stream_leaves_are_forgotten_when_it_ends(runner: M
     fresh = asyncio.run(_with_server(WorkerServicer(runner), calls))
     assert [t.seq_id for t in fresh.tokens] == [906] and 905 not in runner.sequences
     runner.release(906)
+
+
+async def _draining_worker(runner: ModelRunner, drain_timeout_s: float, settle_s: float, scenario):
+    """WorkerServicer in a GrpcService on port 0, as __main__ runs it; `scenario(service, stub)`."""
+    service = GrpcService("worker", "127.0.0.1", 0, drain_timeout_s)
+    servicer = WorkerServicer(runner, drain=service.drain)
+    service.add(worker_pb2_grpc.add_WorkerServiceServicer_to_server, servicer,
+                worker_pb2.DESCRIPTOR.services_by_name["WorkerService"])
+    await service.start()
+    await service.set_serving(True)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{service.port}") as chan:
+            stopped = lambda: service.serve_forever(servicer.is_idle, settle_s)  # noqa: E731
+            return await scenario(service, chan, worker_pb2_grpc.WorkerServiceStub(chan), stopped)
+    finally:
+        await service.server.stop(None)
+
+
+def _prefill(seq_id: int) -> worker_pb2.StepStreamRequest:
+    return worker_pb2.StepStreamRequest(step=worker_pb2.StepRequest(step_id=1, sequences=[worker_pb2.SequenceStep(
+        seq_id=seq_id, token_ids=[10, 11, 12], sample=True, sampling=_sampling(), block_table=[0, 1])]))
+
+
+def test_a_draining_worker_runs_steps_until_its_sequences_are_released_then_stops(runner: ModelRunner):
+    async def scenario(service, chan, stub, serve_forever):
+        stream = stub.StepStream()
+        await stream.write(_prefill(911))
+        token = (await stream.read()).step.tokens[0].token_id
+        began = time.monotonic()
+        service.request_stop()
+        stopping = asyncio.create_task(serve_forever())
+        while not service.drain.draining:
+            await asyncio.sleep(0.01)
+        assert await health_status(chan) == health_pb2.HealthCheckResponse.NOT_SERVING  # draining, not gone
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.StepStream().read()
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        await asyncio.sleep(0.5)
+        assert not stopping.done()  # 911 is still held
+        await stream.write(worker_pb2.StepStreamRequest(step=worker_pb2.StepRequest(step_id=2, sequences=[
+            worker_pb2.SequenceStep(seq_id=911, token_ids=[token], num_computed_tokens=3, sample=True,
+                                    block_table=[0, 1])])))
+        assert len((await stream.read()).step.tokens) == 1  # still runs steps
+        await stream.write(worker_pb2.StepStreamRequest(step=worker_pb2.StepRequest(step_id=3, release_seq_ids=[911])))
+        await stream.read()
+        assert await asyncio.wait_for(stopping, 5) is True
+        return time.monotonic() - began
+
+    took = asyncio.run(_draining_worker(runner, drain_timeout_s=30, settle_s=0.2, scenario=scenario))
+    assert 0.5 < took < 3
+    assert 911 not in runner.sequences
+
+
+def test_a_worker_whose_drain_times_out_ends_its_step_stream_with_the_reason(runner: ModelRunner):
+    async def scenario(service, chan, stub, serve_forever):
+        stream = stub.StepStream()
+        await stream.write(_prefill(912))
+        await stream.read()
+        service.request_stop()
+        assert await asyncio.wait_for(serve_forever(), 5) is False
+        with pytest.raises(grpc.aio.AioRpcError) as ended:
+            await stream.read()
+        return ended.value
+
+    error = asyncio.run(_draining_worker(runner, drain_timeout_s=0.3, settle_s=0.2, scenario=scenario))
+    assert error.code() == grpc.StatusCode.UNAVAILABLE
+    assert "worker shut down before this request finished: its drain timeout (0.3 s) passed" in error.details()
+    runner.step([], [912], [])

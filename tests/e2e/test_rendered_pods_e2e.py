@@ -75,6 +75,8 @@ MACHINE_ENV = {
 }
 # Plumbing, not configuration: a pod process gets SIGTERM if the test process dies.
 PLUMBING_ENV = {SUPERVISOR_PID_ENV: str(os.getpid())}
+# What the base image (python:3.11-slim) sets that the services may use.
+BASE_IMAGE_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
 NODE_NAME = "this-machine"
 START_TIMEOUT_S = 240.0
 STOP_GRACE_S = 10.0
@@ -83,14 +85,14 @@ STOP_GRACE_S = 10.0
 # ---- the image ----------------------------------------------------------------
 
 
-def image_env() -> dict[str, str]:
-    """The environment the image gives every container: the ENV instructions of
-    the Dockerfile's final stage, its WORKDIR standing for this checkout and
-    this machine's PATH for the base image's."""
+def image_env() -> tuple[dict[str, str], str]:
+    """The environment the image gives every container, in the container's
+    terms, and the image's WORKDIR: the ENV instructions of the Dockerfile's
+    final stage over the base image's (BASE_IMAGE_ENV)."""
     text = re.sub(r"\\\n", " ", (ROOT / "deploy" / "Dockerfile").read_text())
     stage = text.split("\nFROM ")[-1]
     workdir = ""
-    env = {"PATH": os.environ["PATH"]}
+    env = dict(BASE_IMAGE_ENV)
     for line in stage.splitlines():
         instruction, _, args = line.strip().partition(" ")
         if instruction == "WORKDIR":
@@ -98,15 +100,9 @@ def image_env() -> dict[str, str]:
         elif instruction == "ENV":
             for item in shlex.split(args):
                 name, _, value = item.partition("=")
-                value = re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: env.get(m[1] or m[2], ""), value)
-                env[name] = value
+                env[name] = re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: env.get(m[1] or m[2], ""), value)
     assert workdir, "the image's final stage has no WORKDIR"
-
-    def local(value: str) -> str:
-        return ":".join(str(ROOT) + p[len(workdir):] if p == workdir or p.startswith(workdir + "/") else p
-                        for p in value.split(":"))
-
-    return {name: local(value) for name, value in env.items()}
+    return env, workdir
 
 
 # ---- pods -------------------------------------------------------------------------
@@ -269,7 +265,7 @@ class Cluster:
         """The container's environment as the kubelet builds it, before any
         mapping to this machine: the image's, the pod's hostname, the Service
         links (enableServiceLinks: the chart leaves it on), then envFrom, then env."""
-        env = image_env() | {"HOSTNAME": pod.name} | self.service_links()
+        env = image_env()[0] | {"HOSTNAME": pod.name} | self.service_links()
         for source in pod.container.get("envFrom", []):
             prefix = source.get("prefix", "")
             if "configMapRef" in source:
@@ -347,11 +343,19 @@ class Cluster:
             pod.dirs[mount["mountPath"]] = scratch / mount["mountPath"].strip("/").replace("/", "-")
             pod.dirs[mount["mountPath"]].mkdir(exist_ok=True)
 
+        # Paths in the container, longest first: the emptyDir mounts, then the image's WORKDIR (this checkout).
+        workdir = image_env()[1]
+        places = sorted([*pod.dirs.items(), (workdir, ROOT)], key=lambda kv: len(kv[0]), reverse=True)
+
         def local(value: str) -> str:
-            for path, directory in sorted(pod.dirs.items(), key=lambda kv: len(kv[0]), reverse=True):
-                if value == path or value.startswith(path + "/"):
-                    return str(directory) + value[len(path):]
-            return self.resolve(value, pod)
+            """An env value or argument as it means here: names resolved, and
+            each path in it (a :-separated list too) moved to where it is here."""
+            parts = self.resolve(value, pod).split(":")
+            for i, part in enumerate(parts):
+                path = next((p for p, _ in places if part == p or part.startswith(p + "/")), None)
+                if path is not None:
+                    parts[i] = str(dict(places)[path]) + part[len(path):]
+            return ":".join(parts)
 
         env = {name: local(value) for name, value in self.pod_env(pod).items()}
         machine = MACHINE_ENV.get(pod.module, {})
@@ -451,13 +455,13 @@ def probe(pod: Pod, spec: dict, timeout_s: float = 2.0) -> bool:
         service = spec["grpc"].get("service", "")
         with grpc.insecure_channel(address) as channel:
             try:
-                reply = health_pb2_grpc.HealthStub(channel).Check(
-                    health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
+                status = health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(service=service), timeout=timeout_s).status
             except grpc.RpcError as exc:
-                if exc.code() == grpc.StatusCode.NOT_FOUND:
-                    pytest.fail(f"{pod.name}: its health service at {address} knows no service {service!r}")
-                return False
-        return reply.status == health_pb2.HealthCheckResponse.SERVING
+                status = exc.code()
+        if status == grpc.StatusCode.NOT_FOUND:
+            pytest.fail(f"{pod.name}: its health service at {address} knows no service {service!r}")
+        return status == health_pb2.HealthCheckResponse.SERVING
     if "httpGet" in spec:
         return http_probe_status(pod, spec["httpGet"], timeout_s) in range(200, 400)
     if "tcpSocket" in spec:

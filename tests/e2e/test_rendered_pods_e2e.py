@@ -10,7 +10,8 @@ stage of deploy/Dockerfile, its WORKDIR being this checkout). Each pod gets its
 own loopback address; a Service's DNS name in any env value or argument becomes
 the address of a pod behind it (its selector against the pod labels) and a
 Service port becomes the targetPort it maps to; a bind host of 0.0.0.0 or ::
-becomes the pod's address; each emptyDir mount becomes a directory of its own.
+becomes the pod's address; an emptyDir's mount path becomes a directory here
+(one per path: see Cluster.prepare).
 A small fake Kubernetes API server (tests/fake_kube.py) serves the EndpointSlices
 of every rendered Service built as the EndpointSlice controller builds them:
 an endpoint per selected pod, ready once that pod's readinessProbe passes.
@@ -23,9 +24,11 @@ client to the edge Service's port. So a wrong env name, port, Service name or
 probe service name in the chart fails here.
 
 What this machine adds to a pod's environment is MACHINE_ENV below and nothing
-else; the test refuses to let it replace anything the chart sets. The root
-filesystem is not made read-only (tests/deploy/test_chart.py checks that the
-code writes only where the chart mounts emptyDirs)."""
+else; the test refuses to let it replace anything the chart sets. A Deployment
+left to its HorizontalPodAutoscaler runs one pod. The pods' cache starts with
+links to what this machine has already converted and built (seed_cache). The
+root filesystem is not made read-only (tests/deploy/test_chart.py checks that
+the code writes only where the chart mounts emptyDirs)."""
 from __future__ import annotations
 
 import base64
@@ -122,10 +125,6 @@ class Pod:
     log: Path | None = None
     started: bool = False  # the startupProbe passed (or there is none)
     ready: bool = False  # the readinessProbe passed
-
-    @property
-    def labels(self) -> dict[str, str]:
-        return self.workload["spec"]["template"]["metadata"]["labels"]
 
     @property
     def spec(self) -> dict:

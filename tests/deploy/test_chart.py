@@ -12,7 +12,6 @@ import copy
 import dataclasses
 import functools
 import re
-from pathlib import Path
 
 import helm_python as helm
 import kubernetes_validate
@@ -25,10 +24,8 @@ from services.http_edge.config import EdgeConfig
 from services.scheduler.config import SchedulerConfig
 from services.tokenizer.config import TokenizerConfig
 from services.worker.config import WorkerConfig
+from tests.chart import CHART, NAMESPACE, RELEASE, ROOT, named, of_kind, render, render_files, workloads
 
-ROOT = Path(__file__).resolve().parents[2]
-CHART = ROOT / "deploy" / "k8s"
-RELEASE, NAMESPACE = "demo", "llm"
 KUBE_VERSIONS = ("1.29", "1.37")
 
 # Custom resources the value sets render on purpose: no Kubernetes schema knows
@@ -118,33 +115,12 @@ def registered_grpc_services(module: str) -> set[str]:
 
 @functools.cache
 def rendered(value_set: str) -> tuple[dict, ...]:
-    with helm.Chart.load(CHART) as chart:
-        manifests = chart.render(copy.deepcopy(VALUE_SETS[value_set]), name=RELEASE, namespace=NAMESPACE)
-    objects = []
-    for path, text in manifests.items():
-        if path.endswith(".yaml"):
-            objects += [o for o in yaml.safe_load_all(text) if o]
-    return tuple(objects)
+    return render(VALUE_SETS[value_set])
 
 
 @functools.cache
 def notes(value_set: str) -> str:
-    with helm.Chart.load(CHART) as chart:
-        manifests = chart.render(copy.deepcopy(VALUE_SETS[value_set]), name=RELEASE, namespace=NAMESPACE)
-    return next(text for path, text in manifests.items() if path.endswith("NOTES.txt"))
-
-
-def of_kind(objects, kind: str) -> list[dict]:
-    return [o for o in objects if o["kind"] == kind]
-
-
-def named(objects, kind: str, name: str) -> dict:
-    (obj,) = [o for o in of_kind(objects, kind) if o["metadata"]["name"] == name]
-    return obj
-
-
-def workloads(objects) -> list[dict]:
-    return [o for o in objects if o["kind"] in ("Deployment", "StatefulSet")]
+    return next(text for path, text in render_files(VALUE_SETS[value_set]).items() if path.endswith("NOTES.txt"))
 
 
 def containers(objects):

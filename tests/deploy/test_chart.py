@@ -75,18 +75,6 @@ VALUE_SETS: dict[str, dict] = {
 CONFIGS = {"http_edge": EdgeConfig, "tokenizer": TokenizerConfig, "scheduler": SchedulerConfig,
            "worker": WorkerConfig}
 
-# Settings the chart sets that no config has yet: the scheduler's EndpointSlice
-# discovery and every service's graceful drain are being added beside this chart.
-# Once those fields exist these names pass as real fields; until then they are
-# the only names allowed without one.
-PENDING_SETTINGS = {
-    "STORMSERVE_DRAIN_TIMEOUT_S": {"http_edge", "tokenizer", "scheduler", "worker"},
-    "STORMSERVE_WORKER_DISCOVERY": {"scheduler"},
-    "STORMSERVE_WORKER_SERVICE": {"scheduler"},
-    "STORMSERVE_WORKER_PORT": {"scheduler"},
-}
-
-
 def process_settings() -> set[str]:
     """STORMSERVE_* variables the services read outside their configs (os.environ),
     found in the source; the supervisor's own (make run's) do not count."""
@@ -252,7 +240,7 @@ def test_every_setting_is_a_config_field_of_its_service(value_set):
     shared = set().union(*(cm["data"] for cm in of_kind(objects, "ConfigMap")))
     for cm in of_kind(objects, "ConfigMap"):
         for name in cm["data"]:
-            assert name in all_fields | outside_configs | set(PENDING_SETTINGS), \
+            assert name in all_fields | outside_configs , \
                 f"ConfigMap {cm['metadata']['name']}: {name} is read by no service"
     for workload, container, module in containers(objects):
         fields = field_env_names(CONFIGS[module])
@@ -260,7 +248,7 @@ def test_every_setting_is_a_config_field_of_its_service(value_set):
         for name in env:
             if not name.startswith("STORMSERVE_") or name in shared or name in outside_configs:
                 continue
-            assert name in fields or module in PENDING_SETTINGS.get(name, ()), \
+            assert name in fields, \
                 f"{workload['metadata']['name']}: {name} is not a setting of services.{module}"
         # The env the process sees builds its config: every value parses and passes its checks.
         try:
@@ -269,9 +257,7 @@ def test_every_setting_is_a_config_field_of_its_service(value_set):
             pytest.fail(f"{workload['metadata']['name']}: services.{module} refuses its environment")
 
 
-def test_the_pending_settings_are_only_those_of_discovery_and_drain():
-    assert set(PENDING_SETTINGS) == {"STORMSERVE_DRAIN_TIMEOUT_S", "STORMSERVE_WORKER_DISCOVERY",
-                                     "STORMSERVE_WORKER_SERVICE", "STORMSERVE_WORKER_PORT"}
+def test_settings_read_outside_the_configs_are_known():
     assert {"STORMSERVE_CACHE_DIR", "STORMSERVE_LOG_LEVEL"} <= process_settings()
 
 

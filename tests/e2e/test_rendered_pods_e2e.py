@@ -263,8 +263,9 @@ class Cluster:
     def pod_env(self, pod: Pod) -> dict[str, str]:
         """The container's environment as the kubelet builds it, before any
         mapping to this machine: the image's, the pod's hostname, the Service
-        links (enableServiceLinks: the chart leaves it on), then envFrom, then env."""
-        env = image_env()[0] | {"HOSTNAME": pod.name} | self.service_links()
+        links unless the pod turns them off (enableServiceLinks), then envFrom, then env."""
+        links = self.service_links() if pod.spec.get("enableServiceLinks", True) else {}
+        env = image_env()[0] | {"HOSTNAME": pod.name} | links
         for source in pod.container.get("envFrom", []):
             prefix = source.get("prefix", "")
             if "configMapRef" in source:

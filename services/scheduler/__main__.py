@@ -6,9 +6,11 @@ import asyncio
 from services.common.config import load_config
 from services.common.grpc_server import GrpcService
 from services.common.log import setup_logging
+from services.common.metrics import serve_metrics
 from services.common.supervisor import exit_with_supervisor
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.engine import EngineLoop
+from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.router import Router
 from services.scheduler.server import SchedulerServicer
 from services.scheduler.worker_client import WorkerClient
@@ -26,10 +28,16 @@ async def main() -> None:
         for address in config.worker_addresses
     ]
     router = Router(engines)
+    metrics = None
+    if config.metrics_port:
+        metrics = SchedulerMetrics(config.model_name, config.max_seq_len, engines)
+        for index, engine in enumerate(engines):
+            engine.metrics = metrics.engine(index)
+        await serve_metrics(metrics.registry, config.host, config.metrics_port)
     service = GrpcService("scheduler", config.host, config.port)
     service.add(
         scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server,
-        SchedulerServicer(config, router),
+        SchedulerServicer(config, router, metrics),
         scheduler_pb2.DESCRIPTOR.services_by_name["SchedulerService"],
     )
     await service.start()

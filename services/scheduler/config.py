@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.common.config import require, setting
+from services.common.model_files import DEFAULT_MODEL_NAME
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,9 @@ class SchedulerConfig:
     max_seq_len: int = setting(2560, "prompt + output cap in tokens", alias="maxSeqLen")
     max_iter_times: int = setting(512, "default and upper cap of max_tokens", alias="maxIterTimes")
     max_queue_size: int = setting(4096, "most requests waiting before new ones are refused")
+    metrics_port: int = setting(0, "HTTP port of the Prometheus /metrics endpoint; 0 = metrics off")
+    model_name: str = setting(DEFAULT_MODEL_NAME, "the served model's name: the metrics' model_name label",
+                              alias="modelName")
 
     def __post_init__(self) -> None:
         require(bool(self.worker_addresses), "worker_addresses must name at least one worker")
@@ -29,3 +33,4 @@ class SchedulerConfig:
         require(self.max_seq_len >= 2, "maxSeqLen must be >= 2")
         require(self.max_iter_times >= 1, "maxIterTimes must be >= 1")
         require(self.max_queue_size >= 1, "max_queue_size must be >= 1")
+        require(0 <= self.metrics_port <= 65535, f"metrics_port must be in [0, 65535], got {self.metrics_port}")

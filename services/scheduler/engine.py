@@ -15,6 +15,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from services.scheduler.metrics import EngineMetrics
 from services.scheduler.policy import BatchPolicy, StepPlan, WorkerCapacity
 from services.scheduler.sequence import FinishReason, Sequence, TokenEvent
 from services.scheduler.worker_client import WorkerClient, WorkerError
@@ -47,6 +48,9 @@ class EngineLoop:
         self.policy: BatchPolicy | None = None
         self.num_steps = 0
         self.num_sequences = 0  # placed here since start
+        self.metrics: EngineMetrics | None = None  # set when metrics are on
+        # Prefix-cache queries and hits (tokens) and preemptions of the policies before the current one.
+        self._retired_counts = (0, 0, 0)
         # Per request id: its Generate call's stream, from submit to detach.
         self._streams: dict[str, asyncio.Queue[StreamItem]] = {}
         self._wakeup = asyncio.Event()
@@ -138,7 +142,10 @@ class EngineLoop:
             # Queued behind the step before it, it started when that one was done.
             started_us, last_answer_us = max(sent_us, last_answer_us), finished_us
             self.num_steps += 1
-            for seq, event in planned_by.postprocess(plan, sampled, started_us, finished_us):
+            events = planned_by.postprocess(plan, sampled, started_us, finished_us)
+            if self.metrics is not None:
+                self.metrics.on_step(plan, events, started_us, finished_us)
+            for seq, event in events:
                 stream = self._streams.get(seq.request_id)
                 if stream is not None:
                     stream.put_nowait((seq, event))
@@ -180,8 +187,18 @@ class EngineLoop:
                 self._fail_all(f"worker {self.worker.address} is not serving")
             await asyncio.sleep(HEALTH_POLL_S)
 
+    def cache_counts(self) -> tuple[int, int, int]:
+        """Prefix-cache queries and hits in tokens, and preemptions, since start."""
+        queries, hits, preemptions = self._retired_counts
+        if self.policy is not None:
+            queries += self.policy.num_queried_tokens
+            hits += self.policy.num_cached_tokens
+            preemptions += self.policy.num_preemptions
+        return queries, hits, preemptions
+
     def _become_ready(self, capacity: WorkerCapacity) -> None:
         # A (re)started worker holds no KV state: start from a fresh policy.
+        self._retired_counts = self.cache_counts()
         self.policy = BatchPolicy(capacity, self.max_batch_size, self.max_prefill_tokens)
         self._ready.set()
         self._wakeup.set()

@@ -4,8 +4,9 @@
     GET  /v1/models             ListModels, cached briefly
     GET  /v1/models/{model}     one model, or 404
     GET  /health                200 (empty body) when ChatService is SERVING, else 503
+    GET  /metrics               Prometheus text: the edge's own series (metrics.py)
 
-With API keys configured every route but /health needs `Authorization: Bearer`
+With API keys configured every route but /health and /metrics needs `Authorization: Bearer`
 (auth.py); load balancers probe /health without credentials.
 """
 from __future__ import annotations
@@ -16,12 +17,14 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from stormserve.chat.v1 import chat_pb2
 
 from services.http_edge.auth import ApiKeyCheck, load_api_keys
 from services.http_edge.backend import ChatBackend
 from services.http_edge.config import EdgeConfig
 from services.http_edge.errors import EdgeError, install_error_handlers, unavailable
+from services.http_edge.metrics import EdgeMetrics, MetricsMiddleware
 from services.http_edge.serving import ChatCompletions
 
 
@@ -55,6 +58,8 @@ def create_app(config: EdgeConfig, backend: ChatBackend | None = None) -> FastAP
     app.state.config = config
     app.state.backend = backend
     install_error_handlers(app)
+    metrics = EdgeMetrics()
+    app.add_middleware(MetricsMiddleware, metrics=metrics)
     chat_completions = ChatCompletions(config, backend)
     # Runs before the body is read: an unauthenticated client cannot make us buffer 40 MiB.
     keyed = [Depends(ApiKeyCheck(load_api_keys(config)))]
@@ -74,6 +79,10 @@ def create_app(config: EdgeConfig, backend: ChatBackend | None = None) -> FastAP
             if model.id == model_id:
                 return JSONResponse(model_json(model))
         raise EdgeError(404, "NotFoundError", f"Model {model_id} not found.")
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/health")
     async def health() -> Response:

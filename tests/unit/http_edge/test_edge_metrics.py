@@ -1,0 +1,51 @@
+"""The edge's /metrics: answers by route and status, and refusals by reason."""
+from __future__ import annotations
+
+import grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.unit.http_edge.test_edge_http import BODY, JSON, make_app, request, rpc_error, text_chunk
+
+
+def scrape(app) -> dict[tuple[str, frozenset], float]:
+    reply = request(app, "GET", "/metrics")
+    assert reply.status_code == 200 and reply.headers["content-type"].startswith("text/plain")
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(reply.text) for s in family.samples}
+
+
+def answered(samples, route: str, code: int, method: str = "POST") -> float:
+    return samples.get(("stormserve:http_requests_total",
+                        frozenset({"method": method, "route": route, "code": str(code)}.items())), 0)
+
+
+def rejected(samples, reason: str) -> float:
+    return samples[("stormserve:requests_rejected_total", frozenset({"reason": reason}.items()))]
+
+
+def test_answers_and_refusals_are_counted_by_route_status_and_reason() -> None:
+    app, _ = make_app([text_chunk("hi", finish=1)],
+                      api_keys=("k",))
+    auth = {"authorization": "Bearer k", **JSON}
+    assert request(app, "POST", "/v1/chat/completions", json=BODY, headers=auth).status_code == 200
+    assert request(app, "POST", "/v1/chat/completions", content=b"{", headers=auth).status_code == 422
+    assert request(app, "POST", "/v1/chat/completions", json=BODY, headers=JSON).status_code == 401
+    assert request(app, "GET", "/no/such/path").status_code in (401, 404)
+    samples = scrape(app)
+    chat = "/v1/chat/completions"
+    assert answered(samples, chat, 200) == 1
+    assert answered(samples, chat, 422) == 1
+    assert answered(samples, chat, 401) == 1
+    assert rejected(samples, "validation") == 1
+    assert rejected(samples, "auth") >= 1
+    assert rejected(samples, "timeout") == 0
+    # Unknown paths share one label value, whatever was asked.
+    assert not any("/no/such/path" in dict(labels).get("route", "") for _, labels in samples)
+    assert ("stormserve:http_request_duration_seconds_count", frozenset({"route": chat}.items())) in samples
+
+
+def test_the_e2e_timeout_counts_as_a_timeout_refusal() -> None:
+    app, _ = make_app([rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "late")], request_timeout_s=0.001)
+    reply = request(app, "POST", "/v1/chat/completions", json=BODY, headers=JSON)
+    assert reply.status_code == 500 and reply.json()["code"] == 802
+    assert rejected(scrape(app), "timeout") == 1

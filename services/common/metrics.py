@@ -11,7 +11,14 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from prometheus_client import CollectorRegistry, generate_latest, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    GCCollector,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+    start_http_server,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 log = logging.getLogger(__name__)
@@ -38,6 +45,16 @@ def build_1_2_5_buckets(max_value: int) -> list[int]:
                 return buckets
             buckets.append(value)
         exponent += 1
+
+
+def process_registry() -> CollectorRegistry:
+    """A registry of this process's own: CPU, memory, open files, GC (the `process_`
+    and `python_` series every Prometheus client exports)."""
+    registry = CollectorRegistry()
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    GCCollector(registry=registry)
+    return registry
 
 
 async def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> asyncio.Server:

@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence as Seq
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -36,6 +36,7 @@ from services.common.metrics import (
     TOKEN_LATENCY_BUCKETS,
     TTFT_BUCKETS,
     build_1_2_5_buckets,
+    process_registry,
 )
 from services.scheduler.sequence import Sequence, TokenEvent
 
@@ -60,7 +61,7 @@ class SchedulerMetrics:
 
     def __init__(self, model_name: str, max_model_len: int, engines: Seq[EngineLoop] = ()):
         self.model_name = model_name
-        self.registry = CollectorRegistry()
+        self.registry = process_registry()
         reg = self.registry
 
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:

@@ -24,7 +24,8 @@ from services.http_edge.auth import ApiKeyCheck, load_api_keys
 from services.http_edge.backend import ChatBackend
 from services.http_edge.config import EdgeConfig
 from services.http_edge.errors import EdgeError, install_error_handlers, unavailable
-from services.http_edge.metrics import EdgeMetrics, MetricsMiddleware
+from services.http_edge.metrics import EdgeMetrics
+from services.http_edge.observe import ObserveMiddleware
 from services.http_edge.serving import ChatCompletions
 
 
@@ -59,7 +60,7 @@ def create_app(config: EdgeConfig, backend: ChatBackend | None = None) -> FastAP
     app.state.backend = backend
     install_error_handlers(app)
     metrics = EdgeMetrics()
-    app.add_middleware(MetricsMiddleware, metrics=metrics)
+    app.add_middleware(ObserveMiddleware, metrics=metrics)
     chat_completions = ChatCompletions(config, backend)
     # Runs before the body is read: an unauthenticated client cannot make us buffer 40 MiB.
     keyed = [Depends(ApiKeyCheck(load_api_keys(config)))]

@@ -11,17 +11,12 @@ request (malformed HTTP 400, 431, the head's 408; see http_protocol.py).
 """
 from __future__ import annotations
 
-import time
-
 from prometheus_client import Counter, Histogram
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.common.metrics import REQUEST_LATENCY_BUCKETS, process_registry
 from services.http_edge.errors import CODE_TIMEOUT, EdgeError
 
 REJECTION_REASONS = ("validation", "auth", "timeout")
-# Set by the EdgeError handler (errors.py): the error a request was answered with.
-ERROR_SCOPE_KEY = "stormserve.error"
 _VALIDATION_STATUSES = frozenset({400, 413, 415, 422, 431})
 
 
@@ -56,34 +51,3 @@ class EdgeMetrics:
         reason = rejection_reason(status, error)
         if reason is not None:
             self.rejected.labels(reason).inc()
-
-
-class MetricsMiddleware:
-    """Plain ASGI (no per-chunk overhead on streams): notes the status, and
-    records once the app is done, a stream included."""
-
-    def __init__(self, app: ASGIApp, metrics: EdgeMetrics):
-        self.app = app
-        self.metrics = metrics
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        start = time.monotonic()
-        status = 500  # an exception that escapes every handler ends as a 500
-
-        async def noting_send(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, noting_send)
-        finally:
-            route = scope.get("route")
-            # The route's template, never the raw path: a fixed, small label set.
-            path = getattr(route, "path", None) or "unmatched"
-            self.metrics.record(scope["method"], path, status, scope.get(ERROR_SCOPE_KEY),
-                                time.monotonic() - start)

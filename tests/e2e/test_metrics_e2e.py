@@ -164,3 +164,21 @@ def test_gauges_return_to_idle_after_a_disconnect_storm(urls, base_url):
         - total(before, "vllm:request_success_total", finished_reason="abort")
     assert 0 < aborted <= 48
     assert total(samples, "stormserve:worker_healthy") == 1
+
+
+def test_the_access_log_line_carries_the_id_the_client_saw(chain, base_url):
+    body = {"model": MODEL, "max_tokens": 3, "messages": [{"role": "user", "content": "Hi"}]}
+    reply = httpx.post(base_url + "/v1/chat/completions", json=body, timeout=60)
+    refused = httpx.post(base_url + "/v1/chat/completions", json={**body, "max_tokens": -1}, timeout=60)
+    assert reply.headers["x-request-id"] == reply.json()["id"]
+    assert refused.status_code == 422
+    log = chain.log_dir / "http_edge.log"
+    found = {}
+    for answer, status in ((reply, 200), (refused, 422)):
+        request_id = answer.headers["x-request-id"]
+        lines = wait_for(lambda: [line for line in log.read_text().splitlines() if request_id in line], 10)
+        assert len(lines) == 1 and f"POST /v1/chat/completions {status}" in lines[0]
+        found[status] = lines[0]
+    usage = reply.json()["usage"]
+    assert f"prompt_tokens={usage['prompt_tokens']} completion_tokens={usage['completion_tokens']}" in found[200]
+    assert "error_code=422" in found[422]

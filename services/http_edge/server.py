@@ -36,6 +36,7 @@ def build_server(config: EdgeConfig) -> uvicorn.Server:
             loop="uvloop",
             http=EdgeHttpProtocol.for_config(config),
             log_config=None,  # keep services.common.log's format
+            access_log=False,  # observe.py writes the one access line per request
             timeout_graceful_shutdown=config.shutdown_grace_s,
         )
     )

@@ -17,7 +17,8 @@ from services.common.metrics import REQUEST_LATENCY_BUCKETS, process_registry
 from services.http_edge.errors import CODE_TIMEOUT, EdgeError
 
 REJECTION_REASONS = ("validation", "auth", "timeout")
-_VALIDATION_STATUSES = frozenset({400, 413, 415, 422, 431})
+# 424: a prompt (or prompt + max_tokens) too long for the model or the KV pool.
+_VALIDATION_STATUSES = frozenset({400, 413, 415, 422, 424, 431})
 
 
 def rejection_reason(status: int, error: EdgeError | None) -> str | None:

@@ -31,7 +31,6 @@ from services.common.multiplex import MultiplexedCall
 from services.http_edge.backend import ChatBackend
 from services.http_edge.config import EdgeConfig
 from services.http_edge.convert import now_us, to_chat_request
-from services.http_edge.observe import RequestRecord, record_of
 from services.http_edge.errors import (
     PARSE_FAILED,
     EdgeError,
@@ -44,6 +43,7 @@ from services.http_edge.errors import (
     request_timeout,
     unsupported_media_type,
 )
+from services.http_edge.observe import RequestRecord, record_of
 from services.http_edge.protocol import ChatCompletionRequest
 from services.http_edge.render import CompletionBuilder, ReplyContext, chunk_json, finish_reason
 from services.http_edge.streaming import (

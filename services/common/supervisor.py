@@ -1,7 +1,7 @@
 """Run the whole chain locally as separate processes: worker(s) → scheduler →
 tokenizer → http_edge. `make run` uses it; so do the end-to-end tests.
 
-Prints the URL once `/health` answers 200. From then on a service that exits
+Prints the URL, and every `/metrics` URL, once `/health` answers 200. From then on a service that exits
 is started again, as Kubernetes restarts a crashed container: after 1 s, then
 twice as long after each crash, at most 30 s, back to 1 s once it has stayed
 up 60 s. Each restart is logged (service, exit code or signal, delay). The
@@ -81,6 +81,10 @@ class Chain:
     worker_ports: list[int] = field(default_factory=lambda: [50053])
     env: dict[str, str] = field(default_factory=dict)
     log_dir: Path | None = None  # None: children write to our stdout/stderr
+    # The gRPC services' /metrics ports by process name (the edge serves its own on
+    # its HTTP port); one missing is given a free port at start. metrics=False: none.
+    metrics: bool = True
+    metrics_ports: dict[str, int] = field(default_factory=dict)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     clock: Callable[[], float] = time.monotonic  # for the restart delays
     restarts: dict[str, int] = field(default_factory=dict)  # per service, since start
@@ -96,16 +100,28 @@ class Chain:
     def url(self) -> str:
         return f"http://{self.host}:{self.edge_port}"
 
+    @property
+    def metrics_urls(self) -> dict[str, str]:
+        """Every process's Prometheus endpoint, by process name."""
+        urls = {name: f"http://127.0.0.1:{port}/metrics" for name, port in self.metrics_ports.items()}
+        return {"http_edge": self.url + "/metrics", **urls}
+
+    def _metrics_flag(self, name: str) -> tuple[str, ...]:
+        if not self.metrics:
+            return ()
+        return ("--metrics-port", str(self.metrics_ports.setdefault(name, free_port())))
+
     def start(self) -> None:
         workers = [f"127.0.0.1:{p}" for p in self.worker_ports]
         # Internal services stay on loopback whatever STORMSERVE_HOST says (it is the edge's).
         internal = ("--host", "127.0.0.1")
         for i, port in enumerate(self.worker_ports):
-            self._spawn(f"worker{i}", "services.worker", *internal, "--port", str(port))
+            self._spawn(f"worker{i}", "services.worker", *internal, "--port", str(port),
+                        *self._metrics_flag(f"worker{i}"))
         self._spawn("scheduler", "services.scheduler", *internal, "--port", str(self.scheduler_port),
-                    "--worker-addresses", ",".join(workers))
+                    "--worker-addresses", ",".join(workers), *self._metrics_flag("scheduler"))
         self._spawn("tokenizer", "services.tokenizer", *internal, "--port", str(self.tokenizer_port),
-                    "--scheduler-address", f"127.0.0.1:{self.scheduler_port}")
+                    "--scheduler-address", f"127.0.0.1:{self.scheduler_port}", *self._metrics_flag("tokenizer"))
         self._spawn("http_edge", "services.http_edge", "--host", self.host, "--port", str(self.edge_port),
                     "--tokenizer-address", f"127.0.0.1:{self.tokenizer_port}")
 
@@ -256,8 +272,11 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=int(os.environ.get("STORMSERVE_WORKERS", "1")),
                         help="number of worker processes (env STORMSERVE_WORKERS)")
     args = parser.parse_args()
+    # Metrics ports next to the edge's: tokenizer +1, scheduler +2, workers +3 on.
+    metrics_ports = {"tokenizer": args.port + 1, "scheduler": args.port + 2,
+                     **{f"worker{i}": args.port + 3 + i for i in range(args.workers)}}
     chain = Chain(host=args.host, edge_port=args.port,
-                  worker_ports=[50053 + i for i in range(args.workers)])
+                  worker_ports=[50053 + i for i in range(args.workers)], metrics_ports=metrics_ports)
     setup_logging("supervisor")
     supervising = False
     exit_code = 0
@@ -275,6 +294,8 @@ def main() -> None:
         chain.start()
         chain.wait_ready()
         print(f"stormserve is ready: {chain.url}/v1/chat/completions", flush=True)
+        for name, url in chain.metrics_urls.items():
+            print(f"  metrics of {name}: {url}", flush=True)
         supervising = True
         chain.supervise()
     except KeyboardInterrupt:

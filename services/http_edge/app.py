@@ -6,10 +6,12 @@
     GET  /health                200 (empty body) when ChatService is SERVING, else 503
     GET  /openapi.json          the OpenAPI document (openapi.py)
     GET  /docs                  Swagger UI on /openapi.json
+    GET  /metrics               Prometheus text: the edge's own series (metrics.py)
 
-With API keys configured every route but /health needs `Authorization: Bearer`
-(auth.py); load balancers probe /health without credentials. Once the edge
-drains (SIGTERM) every new request, /health included, gets 503 (drain.py).
+With API keys configured every route but /health and /metrics needs
+`Authorization: Bearer` (auth.py); load balancers probe /health without
+credentials. Once the edge drains (SIGTERM) every new request, /health
+included, gets 503 (drain.py).
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from stormserve.chat.v1 import chat_pb2
 
 from services.http_edge import openapi
@@ -28,6 +31,8 @@ from services.http_edge.backend import ChatBackend
 from services.http_edge.config import EdgeConfig
 from services.http_edge.drain import RefuseWhileDraining
 from services.http_edge.errors import EdgeError, install_error_handlers, unavailable
+from services.http_edge.metrics import EdgeMetrics
+from services.http_edge.observe import ObserveMiddleware
 from services.http_edge.serving import ChatCompletions
 
 
@@ -65,6 +70,8 @@ def create_app(config: EdgeConfig, backend: ChatBackend | None = None) -> FastAP
     app.state.drain = Drain("http_edge")
     app.add_middleware(RefuseWhileDraining, drain=app.state.drain)
     install_error_handlers(app)
+    metrics = EdgeMetrics()
+    app.add_middleware(ObserveMiddleware, metrics=metrics)
     chat_completions = ChatCompletions(config, backend)
     api_keys = load_api_keys(config)
     # Runs before the body is read: an unauthenticated client cannot make us buffer 40 MiB.
@@ -85,6 +92,10 @@ def create_app(config: EdgeConfig, backend: ChatBackend | None = None) -> FastAP
             if model.id == model_id:
                 return JSONResponse(model_json(model))
         raise EdgeError(404, "NotFoundError", f"Model {model_id} not found.")
+
+    @app.get("/metrics", include_in_schema=False)  # Prometheus text, not part of the API
+    async def prometheus_metrics() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/health", openapi_extra=openapi.HEALTH)
     async def health() -> Response:

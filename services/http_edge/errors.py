@@ -217,7 +217,8 @@ def describe_validation(errors: Sequence[dict[str, Any]]) -> str:
 def install_error_handlers(app: FastAPI) -> None:
     """Every error the app answers, ours or the framework's, uses the merged body."""
 
-    async def on_edge_error(_: Request, exc: EdgeError) -> JSONResponse:
+    async def on_edge_error(request: Request, exc: EdgeError) -> JSONResponse:
+        request.scope["stormserve.error"] = exc  # for the metrics and the access log
         return exc.response()
 
     async def on_request_validation(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -86,6 +86,7 @@ def build_server(config: EdgeConfig) -> DrainingServer:
             loop="uvloop",
             http=EdgeHttpProtocol.for_config(config),
             log_config=None,  # keep services.common.log's format
+            access_log=False,  # observe.py writes the one access line per request
             timeout_graceful_shutdown=FINAL_S,
         ),
         app.state.drain, app.state.backend, config.drain_timeout_s,

@@ -46,6 +46,7 @@ from services.http_edge.errors import (
     unsupported_media_type,
 )
 from services.http_edge.fingerprint import system_fingerprint
+from services.http_edge.observe import RequestRecord, record_of
 from services.http_edge.protocol import ChatCompletionRequest
 from services.http_edge.render import CompletionBuilder, ReplyContext, chunk_json, finish_reason
 from services.http_edge.streaming import (
@@ -266,7 +267,9 @@ class ChatCompletions:
             return Response(status_code=CLIENT_CLOSED)
         chat = parse_chat_request(body)
         model = await self.backend.require_model(chat.model)
-        grpc_request = to_chat_request(chat, arrival_time_us=arrival_us)
+        record = record_of(request.scope) or RequestRecord("", time.monotonic())
+        record.model = chat.model
+        grpc_request = to_chat_request(chat, request_id=record.request_id or None, arrival_time_us=arrival_us)
         ctx = ReplyContext(
             request_id=grpc_request.request_id,
             model=chat.model,
@@ -285,11 +288,11 @@ class ChatCompletions:
                 if first is not None and first.HasField("error"):
                     raise _chunk_error(first)
                 handed_off = True
-                return EventStreamResponse(self._events(call, first, ctx, deadline), on_close=call.cancel,
+                return EventStreamResponse(self._events(call, first, ctx, deadline, record), on_close=call.cancel,
                                            stall_timeout_s=self.config.stream_stall_timeout_s,
                                            name=ctx.request_id)
             builder = CompletionBuilder(ctx)
-            await unless_disconnected(request.receive, self._collect(call, builder))
+            await unless_disconnected(request.receive, self._collect(call, builder, record))
             return JSONResponse(builder.result())
         except grpc.aio.AioRpcError as exc:
             error = deadline.rpc_error(exc)
@@ -303,18 +306,20 @@ class ChatCompletions:
             if not handed_off:
                 call.cancel()
 
-    async def _collect(self, call: MultiplexedCall, builder: CompletionBuilder) -> None:
+    async def _collect(self, call: MultiplexedCall, builder: CompletionBuilder, record: RequestRecord) -> None:
         while (chunk := await next_chunk(call)) is not None:
             if chunk.HasField("error"):
                 raise _chunk_error(chunk)
+            record.note(chunk)
             builder.add(chunk)
 
     async def _events(
         self, call: MultiplexedCall, chunk: chat_pb2.ChatChunk | None, ctx: ReplyContext,
-        deadline: Deadline,
+        deadline: Deadline, record: RequestRecord,
     ) -> AsyncIterator[bytes]:
         try:
             while chunk is not None:
+                record.note(chunk)
                 if chunk.HasField("error"):
                     if _has_output(chunk):
                         yield sse_event(chunk_json(_output_only(chunk), ctx))

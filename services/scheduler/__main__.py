@@ -2,15 +2,18 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 from services.common.config import load_config
 from services.common.grpc_server import GrpcService
 from services.common.log import setup_logging
+from services.common.metrics import serve_metrics
 from services.common.supervisor import exit_with_supervisor
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.discovery import WorkerPool, merge_slices
 from services.scheduler.engine import EngineLoop
 from services.scheduler.kube import EndpointSliceWatcher, KubeApi, KubeConfigError
+from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.router import Router
 from services.scheduler.server import SchedulerServicer
 from services.scheduler.worker_client import WorkerClient
@@ -24,12 +27,24 @@ async def main() -> None:
     config = load_config(SchedulerConfig)
     log = setup_logging("scheduler")
 
+    # Off when metrics_port is 0: then nothing is recorded. The collector reads the
+    # router's list of engines, which discovery changes in place.
+    router = Router([])
+    metrics = SchedulerMetrics(config.model_name, config.max_seq_len, router.engines) if config.metrics_port else None
+    engine_ids = itertools.count()
+
     def make_engine(address: str) -> EngineLoop:
-        return EngineLoop(WorkerClient(address), config.max_batch_size, config.max_prefill_tokens)
+        engine = EngineLoop(WorkerClient(address), config.max_batch_size, config.max_prefill_tokens)
+        if metrics is not None:
+            engine.metrics = metrics.engine(next(engine_ids))  # its `engine` label, kept while it lives
+        return engine
 
     discovered = config.worker_discovery == "endpointslices"
     engines = [] if discovered else [make_engine(address) for address in config.worker_addresses]
-    router = Router(engines)
+    for engine in engines:
+        router.add(engine)
+    if metrics is not None:
+        await serve_metrics(metrics.registry, config.host, config.metrics_port)
     pool = WorkerPool(router, make_engine)
     watcher = None
     if discovered:
@@ -47,7 +62,7 @@ async def main() -> None:
     service = GrpcService("scheduler", config.host, config.port, config.drain_timeout_s)
     service.add(
         scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server,
-        SchedulerServicer(config, router, service.drain),
+        SchedulerServicer(config, router, service.drain, metrics),
         scheduler_pb2.DESCRIPTOR.services_by_name["SchedulerService"],
     )
     await service.start()

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 from services.common.config import require, setting
 from services.common.drain import check_drain_timeout, drain_timeout_setting
+from services.common.model_files import DEFAULT_MODEL_NAME
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,9 @@ class SchedulerConfig:
     max_iter_times: int = setting(512, "default and upper cap of max_tokens", alias="maxIterTimes")
     max_queue_size: int = setting(4096, "most requests waiting before new ones are refused")
     drain_timeout_s: float = drain_timeout_setting()
+    metrics_port: int = setting(0, "HTTP port of the Prometheus /metrics endpoint; 0 = metrics off")
+    model_name: str = setting(DEFAULT_MODEL_NAME, "the served model's name: the metrics' model_name label",
+                              alias="modelName")
 
     def __post_init__(self) -> None:
         require(self.worker_discovery in ("static", "endpointslices"),
@@ -46,3 +50,4 @@ class SchedulerConfig:
         require(self.max_iter_times >= 1, "maxIterTimes must be >= 1")
         require(self.max_queue_size >= 1, "max_queue_size must be >= 1")
         check_drain_timeout(self.drain_timeout_s)
+        require(0 <= self.metrics_port <= 65535, f"metrics_port must be in [0, 65535], got {self.metrics_port}")

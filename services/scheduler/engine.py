@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.common.errors import WORKER_LOST
+from services.scheduler.metrics import EngineMetrics
 from services.scheduler.policy import BatchPolicy, StepPlan, WorkerCapacity
 from services.scheduler.sequence import FinishReason, Sequence, TokenEvent
 from services.scheduler.worker_client import WorkerClient, WorkerError, WorkerHealth
@@ -55,6 +56,9 @@ class EngineLoop:
         self.policy: BatchPolicy | None = None
         self.num_steps = 0
         self.num_sequences = 0  # placed here since start
+        self.metrics: EngineMetrics | None = None  # set when metrics are on
+        # Prefix-cache queries and hits (tokens) and preemptions of the policies before the current one.
+        self._retired_counts = (0, 0, 0)
         # Per request id: its Generate call's stream, from submit to detach.
         self._streams: dict[str, asyncio.Queue[StreamItem]] = {}
         self._wakeup = asyncio.Event()
@@ -162,7 +166,10 @@ class EngineLoop:
             # Queued behind the step before it, it started when that one was done.
             started_us, last_answer_us = max(sent_us, last_answer_us), finished_us
             self.num_steps += 1
-            for seq, event in planned_by.postprocess(plan, sampled, started_us, finished_us):
+            events = planned_by.postprocess(plan, sampled, started_us, finished_us)
+            if self.metrics is not None:
+                self.metrics.on_step(plan, events, started_us, finished_us)
+            for seq, event in events:
                 stream = self._streams.get(seq.request_id)
                 if stream is not None:
                     stream.put_nowait((seq, event))
@@ -225,9 +232,18 @@ class EngineLoop:
             else:
                 log.error("worker %s is not serving", address)
                 self._fail_all(f"worker {address} is not serving")
+    def cache_counts(self) -> tuple[int, int, int]:
+        """Prefix-cache queries and hits in tokens, and preemptions, since start."""
+        queries, hits, preemptions = self._retired_counts
+        if self.policy is not None:
+            queries += self.policy.num_queried_tokens
+            hits += self.policy.num_cached_tokens
+            preemptions += self.policy.num_preemptions
+        return queries, hits, preemptions
 
     def _become_ready(self, capacity: WorkerCapacity) -> None:
         # A (re)started worker holds no KV state: start from a fresh policy.
+        self._retired_counts = self.cache_counts()
         self.policy = BatchPolicy(capacity, self.max_batch_size, self.max_prefill_tokens)
         self.is_draining = False
         self._ready.set()

@@ -33,6 +33,7 @@ beam_steps.py.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from services.scheduler.beam import BeamSearch
@@ -58,6 +59,7 @@ class BatchPolicy(BeamSteps):
         self.running: list[Sequence] = []  # admission order: the last is the newest
         self.num_preemptions = 0
         self.num_cached_tokens = 0  # prefix-cache hits, in tokens, over all admissions
+        self.num_queried_tokens = 0  # tokens looked up in the prefix cache, over all admissions
         self._to_release: list[int] = []
         # Block copies for the next step, by the seq id of the beam whose block is written.
         self._copies: dict[int, tuple[int, int]] = {}
@@ -308,6 +310,8 @@ class BatchPolicy(BeamSteps):
             self.blocks.fork(leader, sibling, num_shared)
             sibling.num_computed_tokens = sibling.num_cached_tokens = num_shared * self.blocks.block_size
             self.num_cached_tokens += sibling.num_cached_tokens
+            self.num_queried_tokens += sibling.num_tokens
+            sibling.first_scheduled_us = sibling.first_scheduled_us or time.time_ns() // 1000
             sibling.status, sibling.fork_of = SequenceStatus.RUNNING, None
             self.running.append(sibling)
         leader.forks = []
@@ -401,6 +405,9 @@ class BatchPolicy(BeamSteps):
         if not seq.output_token_ids:  # reported with the first token; a re-admission keeps it
             seq.num_cached_tokens = cached
         self.num_cached_tokens += cached
+        if not seq.sampling.needs_full_history:
+            self.num_queried_tokens += seq.num_tokens
+        seq.first_scheduled_us = seq.first_scheduled_us or time.time_ns() // 1000
         self.waiting.popleft()
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)

@@ -118,6 +118,9 @@ class Sequence:
     # Beam search: the search this sequence is a live beam of, or one of whose
     # result placeholders it is (see beam.py); None otherwise.
     beam: BeamSearch | None = None
+    # Request timing for the metrics (0 = not yet): first admitted to a batch, first token out.
+    first_scheduled_us: int = 0
+    first_token_us: int = 0
 
     def __post_init__(self) -> None:
         self.last_event_us = self.last_event_us or self.arrival_us

@@ -15,6 +15,7 @@ from services.scheduler.choices import Choices
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.convert import to_response, to_sequences, to_worker_load
 from services.scheduler.engine import EngineLoop, SequenceFailed, now_us
+from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.policy import CapacityError
 from services.scheduler.router import Router
 from stormserve.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
@@ -23,14 +24,18 @@ log = logging.getLogger(__name__)
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
-    def __init__(self, config: SchedulerConfig, router: Router, drain: Drain | None = None):
+    def __init__(self, config: SchedulerConfig, router: Router, drain: Drain | None = None,
+                 metrics: SchedulerMetrics | None = None):
         self.config = config
         self.router = router
         self.drain = drain or Drain("scheduler")  # refuses new Generate calls once SIGTERM came
         self._live: dict[str, tuple[EngineLoop, Choices]] = {}
+        self._queue_full = metrics.rejected.labels("queue_full") if metrics is not None else None
 
     async def _generate(self, request):
         if sum(e.load for e in self.router.engines) >= self.config.max_queue_size:
+            if self._queue_full is not None:
+                self._queue_full.inc()
             raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, "the request queue is full")
         if request.request_id in self._live:
             raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request {request.request_id} is already running")
@@ -42,6 +47,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         except CapacityError as exc:
             raise ServiceError(grpc.StatusCode.OUT_OF_RANGE, str(exc)) from exc
         self._live[request.request_id] = (engine, choices)
+        failed = False
         try:
             while not choices.is_done:
                 # Coalesce whatever is pending into one message per choice when the reader is behind.
@@ -50,6 +56,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                     items.append(stream.get_nowait())
                 failure = next((i for i in items if isinstance(i, SequenceFailed)), None)
                 if failure is not None:
+                    failed = True
                     raise ServiceError(grpc.StatusCode.UNAVAILABLE, failure.message)
                 for update in choices.accept([i for i in items if isinstance(i, tuple)]):
                     yield to_response(update, choices)
@@ -58,6 +65,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             if choices.unfinished:
                 engine.abort(choices.unfinished)
             engine.detach(request.request_id)
+            if engine.metrics is not None:
+                finished_us = now_us()
+                for seq in choices.seqs:
+                    reason = "error" if failed else seq.finish_reason.value if seq.finish_reason else "abort"
+                    engine.metrics.on_finished(seq, reason, finished_us)
 
     Generate = call_method(_generate)
     GenerateStream = multiplexed_method(_generate, scheduler_pb2.GenerateStreamResponse,

@@ -8,6 +8,7 @@ from transformers import AutoConfig, AutoTokenizer
 from services.common.config import load_config
 from services.common.grpc_server import GrpcService, channel, is_serving
 from services.common.log import setup_logging
+from services.common.metrics import process_registry, serve_metrics_in_thread
 from services.common.supervisor import exit_with_supervisor
 from services.common.model_files import resolve_model
 from services.tokenizer.config import TokenizerConfig
@@ -23,6 +24,8 @@ async def main() -> None:
     config = load_config(TokenizerConfig)
     log = setup_logging("tokenizer")
     service = GrpcService("tokenizer", config.host, config.port, config.drain_timeout_s)
+    if config.metrics_port:
+        serve_metrics_in_thread(process_registry(), config.host, config.metrics_port)
     model_dir = await asyncio.to_thread(resolve_model, config.model_path)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model_config = AutoConfig.from_pretrained(model_dir)

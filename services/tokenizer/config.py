@@ -15,6 +15,7 @@ class TokenizerConfig:
 
     host: str = setting("127.0.0.1", "address to listen on")
     port: int = setting(50051, "gRPC port")
+    metrics_port: int = setting(0, "HTTP port of the Prometheus /metrics endpoint (process metrics); 0 = off")
     scheduler_address: str = setting("127.0.0.1:50052", "scheduler host:port")
     model_path: str = setting("", "HF directory or .gguf file; empty = the bundled SmolLM2-135M-Instruct",
                               alias="modelWeightPath")
@@ -46,6 +47,7 @@ class TokenizerConfig:
     drain_timeout_s: float = drain_timeout_setting()
 
     def __post_init__(self) -> None:
+        require(0 <= self.metrics_port <= 65535, f"metrics_port must be in [0, 65535], got {self.metrics_port}")
         require(0 < len(self.model_name) <= 256, "modelName must have 1-256 characters")
         require(all(c.isascii() and (c.isalnum() or c in "_.-") for c in self.model_name),
                 "modelName may contain only letters, digits, '_', '.' and '-'")

@@ -8,6 +8,7 @@ import logging
 from services.common.config import load_config
 from services.common.grpc_server import GrpcService
 from services.common.log import setup_logging
+from services.common.metrics import process_registry, serve_metrics_in_thread
 from services.common.supervisor import exit_with_supervisor
 from services.common.model_files import resolve_model
 from services.worker.backend import select_backend
@@ -42,6 +43,8 @@ DRAIN_SETTLE_S = 2.0
 
 async def serve(config: WorkerConfig, log: logging.Logger) -> None:
     service = GrpcService("worker", config.host, config.port, config.drain_timeout_s)
+    if config.metrics_port:
+        serve_metrics_in_thread(process_registry(), config.host, config.metrics_port)
     servicer = WorkerServicer(drain=service.drain)
     service.add(
         worker_pb2_grpc.add_WorkerServiceServicer_to_server,

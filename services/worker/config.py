@@ -16,6 +16,7 @@ class WorkerConfig:
 
     host: str = setting("127.0.0.1", "address to listen on")
     port: int = setting(50053, "gRPC port (0 picks a free one)")
+    metrics_port: int = setting(0, "HTTP port of the Prometheus /metrics endpoint (process metrics); 0 = off")
     model_path: str = setting(
         "", "HF model directory or .gguf file; empty = bundled SmolLM2-135M-Instruct",
         alias="modelWeightPath",
@@ -38,6 +39,7 @@ class WorkerConfig:
 
     def __post_init__(self) -> None:
         require(0 <= self.port <= 65535, f"port must be in [0, 65535], got {self.port}")
+        require(0 <= self.metrics_port <= 65535, f"metrics_port must be in [0, 65535], got {self.metrics_port}")
         require(self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}")
         require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         require(

@@ -30,7 +30,8 @@ KUBE_VERSIONS = ("1.29", "1.37")
 
 # Custom resources the value sets render on purpose: no Kubernetes schema knows
 # them, so they are skipped by name; any other kind without a schema fails.
-CUSTOM_RESOURCES = {("keda.sh/v1alpha1", "ScaledObject")}
+CUSTOM_RESOURCES = {("keda.sh/v1alpha1", "ScaledObject"), ("monitoring.coreos.com/v1", "PodMonitor"),
+                    ("monitoring.coreos.com/v1", "ServiceMonitor")}
 
 VALUE_SETS: dict[str, dict] = {
     "defaults": {},
@@ -67,6 +68,13 @@ VALUE_SETS: dict[str, dict] = {
             "metadata": {"name": "{{ .Release.Name }}-tokenizer"},
             "spec": {"scaleTargetRef": {"name": "{{ .Release.Name }}-stormserve-tokenizer"},
                      "triggers": [{"type": "cpu", "metricType": "Utilization", "metadata": {"value": "60"}}]}}],
+        "networkPolicy": {"edgeFrom": [{"namespaceSelector": {"matchLabels": {"ingress": "true"}}}]},
+    },
+    "metrics": {
+        "metrics": {"enabled": True, "port": 9400,
+                    "scrapeFrom": [{"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}],
+                    "podMonitor": {"enabled": True, "labels": {"release": "kube-prometheus"}},
+                    "serviceMonitor": {"enabled": True, "interval": "15s"}},
         "networkPolicy": {"edgeFrom": [{"namespaceSelector": {"matchLabels": {"ingress": "true"}}}]},
     },
 }
@@ -168,8 +176,9 @@ def test_every_object_validates_strictly(value_set, version):
             skipped.add(key)
         except kubernetes_validate.ValidationError as exc:
             pytest.fail(f"{obj['kind']}/{obj['metadata']['name']} at {'.'.join(map(str, exc.path))}: {exc.message}")
-    if value_set == "custom-metrics":
-        assert skipped == CUSTOM_RESOURCES
+    expected = {"custom-metrics": {("keda.sh/v1alpha1", "ScaledObject")},
+                "metrics": CUSTOM_RESOURCES - {("keda.sh/v1alpha1", "ScaledObject")}}
+    assert skipped == expected.get(value_set, set())
 
 
 def test_the_validation_is_strict():
@@ -556,3 +565,39 @@ def test_notes_tell_how_to_call_it():
     assert "/v1/chat/completions" in text and '"model": "SmolLM2-135M-Instruct"' in text
     assert "Authorization" not in text
     assert "jsonpath='{.status.loadBalancer.ingress[0].ip}'" in notes("cuda")
+
+
+def test_metrics_ports_monitors_and_who_may_scrape():
+    objects = rendered("metrics")
+    for workload, container, module in containers(objects):
+        env = container_env(objects, container)
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        if module == "http_edge":  # /metrics on its http port
+            assert "STORMSERVE_METRICS_PORT" not in env and "metrics" not in ports
+        else:
+            assert env["STORMSERVE_METRICS_PORT"] == "9400" and ports["metrics"] == 9400
+            assert load_config(CONFIGS[module], [], env).metrics_port == 9400
+    metrics_port = {"name": "metrics", "port": 9400, "targetPort": "metrics", "protocol": "TCP"}
+    for name in ("tokenizer", "scheduler"):
+        assert metrics_port in named(objects, "Service", component(name))["spec"]["ports"]
+    # The worker Service's EndpointSlices are what the scheduler watches: they keep the gRPC port alone.
+    assert [p["name"] for p in named(objects, "Service", component("worker"))["spec"]["ports"]] == ["grpc"]
+    assert named(objects, "Service", component("worker") + "-metrics")["spec"]["ports"] == [metrics_port]
+    policies = {p["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"]: p
+                for p in of_kind(objects, "NetworkPolicy")}
+    scrapers = VALUE_SETS["metrics"]["metrics"]["scrapeFrom"]
+    for name, port in (("edge", "http"), ("tokenizer", "metrics"), ("scheduler", "metrics"), ("worker", "metrics")):
+        rule = policies[name]["spec"]["ingress"][-1]
+        assert rule == {"ports": [{"port": port, "protocol": "TCP"}], "from": scrapers}
+    selector = {"app.kubernetes.io/name": "stormserve", "app.kubernetes.io/instance": RELEASE}
+    (pod_monitor,) = of_kind(objects, "PodMonitor")
+    assert pod_monitor["metadata"]["labels"]["release"] == "kube-prometheus"
+    assert pod_monitor["spec"]["selector"]["matchLabels"] == selector
+    assert [e["port"] for e in pod_monitor["spec"]["podMetricsEndpoints"]] == ["http", "metrics"]
+    (service_monitor,) = of_kind(objects, "ServiceMonitor")
+    assert [(e["port"], e["path"], e["interval"]) for e in service_monitor["spec"]["endpoints"]] == [
+        ("http", "/metrics", "15s"), ("metrics", "/metrics", "15s")]
+    # Off by default: no metrics port, no monitor, the policies unchanged.
+    defaults = rendered("defaults")
+    assert not of_kind(defaults, "PodMonitor") and not of_kind(defaults, "ServiceMonitor")
+    assert all("metrics" not in {p["name"] for p in c["ports"]} for _, c, _ in containers(defaults))

@@ -146,6 +146,10 @@ lifecycle:
   value: {{ index .root.Values.ports .component | quote }}
 - name: STORMSERVE_DRAIN_TIMEOUT_S
   value: {{ include "stormserve.drainTimeout" . | quote }}
+{{- if and .root.Values.metrics.enabled (ne .component "edge") }}
+- name: STORMSERVE_METRICS_PORT
+  value: {{ .root.Values.metrics.port | quote }}
+{{- end }}
 # The root filesystem is read-only: libraries that write under ~ write to /tmp.
 - name: HOME
   value: /tmp
@@ -243,4 +247,22 @@ livenessProbe:
 {{- end -}}
 {{- end -}}
 {{- toYaml $resources -}}
+{{- end -}}
+
+{{- /* The `metrics` port of a gRPC service's container and Service, when metrics are on. */ -}}
+{{- define "stormserve.metricsContainerPort" -}}
+{{- if .Values.metrics.enabled }}
+- name: metrics
+  containerPort: {{ .Values.metrics.port }}
+  protocol: TCP
+{{- end }}
+{{- end -}}
+
+{{- define "stormserve.metricsServicePort" -}}
+{{- if .Values.metrics.enabled }}
+- name: metrics
+  port: {{ .Values.metrics.port }}
+  targetPort: metrics
+  protocol: TCP
+{{- end }}
 {{- end -}}

@@ -1,0 +1,124 @@
+"""What the edge notes about every request: its id, its metrics and one access-log line.
+
+Each request gets an id up front, used as the chat completion's `id` and sent
+back in `X-Request-Id` on every answer, errors included, so the id in a log
+line is the one the client saw. When the app is done (a whole stream
+included) one line goes to the `stormserve.access` logger: method, path,
+status, model, tokens in and out, time to the first token, duration, request
+id, trace id (from a W3C `traceparent` header) and, for an error, its type and
+code. With STORMSERVE_LOG_FORMAT=json the line is a JSON object whose keys are
+those fields.
+"""
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+from stormserve.chat.v1 import chat_pb2
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from services.http_edge.metrics import EdgeMetrics
+
+access_log = logging.getLogger("stormserve.access")
+
+# Set by the EdgeError handler (errors.py): the error a request was answered with.
+ERROR_SCOPE_KEY = "stormserve.error"
+RECORD_SCOPE_KEY = "stormserve.record"
+
+
+@dataclass
+class RequestRecord:
+    """Filled in by the chat handler as the reply goes by."""
+
+    request_id: str
+    start: float  # time.monotonic()
+    model: str = ""
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    first_token_s: float | None = None
+
+    def note(self, chunk: chat_pb2.ChatChunk) -> None:
+        """A chunk of the reply: its first output and its usage."""
+        if self.first_token_s is None and chunk.choices:
+            self.first_token_s = time.monotonic() - self.start
+        if chunk.HasField("usage"):
+            self.prompt_tokens = chunk.usage.prompt_tokens
+            self.completion_tokens = chunk.usage.completion_tokens
+
+
+def record_of(scope: Scope) -> RequestRecord | None:
+    return scope.get(RECORD_SCOPE_KEY)
+
+
+def trace_id(scope: Scope) -> str | None:
+    """The trace id of a valid W3C `traceparent` header (version-traceid-spanid-flags)."""
+    for name, value in scope.get("headers", ()):
+        if name == b"traceparent":
+            parts = value.decode("latin-1").strip().split("-")
+            if len(parts) >= 4 and len(parts[1]) == 32 and parts[1] != "0" * 32:
+                try:
+                    int(parts[1], 16)
+                except ValueError:
+                    return None
+                return parts[1]
+    return None
+
+
+class ObserveMiddleware:
+    """Plain ASGI (no per-chunk work on streams beyond noting the status)."""
+
+    def __init__(self, app: ASGIApp, metrics: EdgeMetrics):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        record = RequestRecord("chatcmpl-" + uuid.uuid4().hex, time.monotonic())
+        scope[RECORD_SCOPE_KEY] = record
+        status = 500  # an exception that escapes every handler ends as a 500
+
+        async def noting_send(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message["headers"] = [*message.get("headers", ()), (b"x-request-id", record.request_id.encode())]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, noting_send)
+        finally:
+            duration_s = time.monotonic() - record.start
+            route = scope.get("route")
+            # The route's template, never the raw path: a fixed, small label set.
+            template = getattr(route, "path", None) or "unmatched"
+            error = scope.get(ERROR_SCOPE_KEY)
+            self.metrics.record(scope["method"], template, status, error, duration_s)
+            if access_log.isEnabledFor(logging.INFO):
+                _log_access(scope, record, status, error, duration_s)
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 1)
+
+
+def _log_access(scope: Scope, record: RequestRecord, status: int, error, duration_s: float) -> None:
+    fields = {
+        "method": scope["method"],
+        "path": scope.get("path", ""),
+        "status": status,
+        "model": record.model or None,
+        "prompt_tokens": record.prompt_tokens,
+        "completion_tokens": record.completion_tokens,
+        "ttft_ms": _ms(record.first_token_s),
+        "duration_ms": _ms(duration_s),
+        "request_id": record.request_id,
+        "trace_id": trace_id(scope),
+    }
+    if error is not None:
+        fields["error_type"], fields["error_code"] = error.error_type, error.code
+    text = " ".join(f"{k}={v}" for k, v in fields.items() if v is not None and k not in ("method", "path", "status"))
+    access_log.info("%s %s %d %s", fields["method"], fields["path"], status, text, extra={"fields": fields})

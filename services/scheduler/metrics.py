@@ -1,0 +1,253 @@
+"""The scheduler's Prometheus metrics: vLLM's engine set under vLLM's names,
+labels (`model_name`, `engine`), help texts and buckets, and our extras under
+`stormserve:`.
+
+The scheduler is the one process that sees every sequence of its serving group
+from queue to last token, so it alone observes them: the edges and tokenizers
+in front of it scale out, and a request counted there too would be counted
+twice when dashboards sum over pods. One `engine` label value per worker (its
+index in `worker_addresses`): each worker runs its own batch, as one vLLM
+engine core does, so summing over `engine` gives the group.
+
+What is counted where, and what it costs:
+- once per step (`EngineMetrics.on_step`): token counters, TTFT at a sequence's
+  first token, one inter-token latency and one queue-wait per token, the step's
+  size and duration — plain increments, O(tokens in the step);
+- once per sequence (`on_finished`): request_success and the per-request histograms;
+- at scrape time (`_StateCollector`): running, waiting, KV usage, prefix-cache
+  and preemption counters, worker health — read from the engines' state on the
+  event loop (the metrics server runs there), nothing on the hot path.
+
+A sequence is one vLLM request: vLLM runs `n > 1` as n child requests, and so
+are our sibling sequences counted, each with its prompt.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence as Seq
+from typing import TYPE_CHECKING
+
+from prometheus_client import Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from services.common.metrics import (
+    ITERATION_TOKENS_BUCKETS,
+    REQUEST_LATENCY_BUCKETS,
+    TOKEN_LATENCY_BUCKETS,
+    TTFT_BUCKETS,
+    build_1_2_5_buckets,
+    process_registry,
+)
+from services.scheduler.sequence import Sequence, TokenEvent
+
+if TYPE_CHECKING:
+    from services.scheduler.engine import EngineLoop
+    from services.scheduler.plan import StepPlan
+
+LABELS = ("model_name", "engine")
+# vLLM's FinishReason strings; "error": the worker was lost under the request.
+FINISHED_REASONS = ("stop", "length", "abort", "error")
+STEP_KINDS = ("prefill", "decode", "mixed")
+QUEUE_WAIT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+                      60.0, 300.0, 1800.0, 7680.0)
+STEP_DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0,
+                         10.0, 30.0, 80.0)
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512, 1024)
+US = 1e-6
+
+
+class SchedulerMetrics:
+    """One registry for the scheduler process; `engine(i)` binds worker i's series."""
+
+    def __init__(self, model_name: str, max_model_len: int, engines: Seq[EngineLoop] = ()):
+        self.model_name = model_name
+        self.registry = process_registry()
+        reg = self.registry
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(name, doc, LABELS + extra, registry=reg)
+
+        def histogram(name: str, doc: str, buckets: Iterable[float], extra: tuple[str, ...] = ()) -> Histogram:
+            return Histogram(name, doc, LABELS + extra, buckets=tuple(buckets), registry=reg)
+
+        token_buckets = build_1_2_5_buckets(max_model_len)
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        self.request_success = counter("vllm:request_success", "Count of successfully processed requests.",
+                                       ("finished_reason",))
+        self.request_prompt_tokens = histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.",
+                                               token_buckets)
+        self.request_generation_tokens = histogram(
+            "vllm:request_generation_tokens", "Number of generation tokens processed.", token_buckets)
+        self.iteration_tokens = histogram("vllm:iteration_tokens_total",
+                                          "Histogram of number of tokens per engine_step.", ITERATION_TOKENS_BUCKETS)
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              TTFT_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                             TOKEN_LATENCY_BUCKETS)
+        self.tpot = histogram("vllm:request_time_per_output_token_seconds",
+                              "Histogram of time_per_output_token_seconds per request.", TOKEN_LATENCY_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                             REQUEST_LATENCY_BUCKETS)
+        self.queue_time = histogram("vllm:request_queue_time_seconds",
+                                    "Histogram of time spent in WAITING phase for request.", REQUEST_LATENCY_BUCKETS)
+        self.inference_time = histogram("vllm:request_inference_time_seconds",
+                                        "Histogram of time spent in RUNNING phase for request.",
+                                        REQUEST_LATENCY_BUCKETS)
+        self.prefill_time = histogram("vllm:request_prefill_time_seconds",
+                                      "Histogram of time spent in PREFILL phase for request.", REQUEST_LATENCY_BUCKETS)
+        self.decode_time = histogram("vllm:request_decode_time_seconds",
+                                     "Histogram of time spent in DECODE phase for request.", REQUEST_LATENCY_BUCKETS)
+        # Ours.
+        self.token_queue_wait = histogram(
+            "stormserve:token_queue_wait_seconds",
+            "Per generated token: time from the sequence's previous token (or arrival) until the step that "
+            "computed it started.", QUEUE_WAIT_BUCKETS)
+        self.step_batch_size = histogram("stormserve:step_batch_size", "Sequences in one engine step.",
+                                         BATCH_SIZE_BUCKETS)
+        self.step_duration = histogram(
+            "stormserve:step_duration_seconds",
+            "Engine step time on the worker, by kind: prefill (prompt chunks only), decode (one token per "
+            "sequence only) or mixed.", STEP_DURATION_BUCKETS, ("kind",))
+        self.rejected = Counter("stormserve:requests_rejected", "Requests refused before they ran, by reason.",
+                                ("reason",), registry=reg)
+        self.rejected.labels("queue_full")  # the one reason the scheduler decides; at 0 from the start
+        self.registry.register(_StateCollector(self, engines))
+
+    def engine(self, index: int) -> EngineMetrics:
+        return EngineMetrics(self, str(index))
+
+
+class EngineMetrics:
+    """One worker's bound series (label lookups done once) and the recording logic."""
+
+    def __init__(self, metrics: SchedulerMetrics, engine: str):
+        self.label = engine
+        values = (metrics.model_name, engine)
+        self.prompt_tokens = metrics.prompt_tokens.labels(*values)
+        self.generation_tokens = metrics.generation_tokens.labels(*values)
+        self.success = {r: metrics.request_success.labels(*values, r) for r in FINISHED_REASONS}
+        self.request_prompt_tokens = metrics.request_prompt_tokens.labels(*values)
+        self.request_generation_tokens = metrics.request_generation_tokens.labels(*values)
+        self.iteration_tokens = metrics.iteration_tokens.labels(*values)
+        self.ttft = metrics.ttft.labels(*values)
+        self.itl = metrics.itl.labels(*values)
+        self.tpot = metrics.tpot.labels(*values)
+        self.e2e = metrics.e2e.labels(*values)
+        self.queue_time = metrics.queue_time.labels(*values)
+        self.inference_time = metrics.inference_time.labels(*values)
+        self.prefill_time = metrics.prefill_time.labels(*values)
+        self.decode_time = metrics.decode_time.labels(*values)
+        self.token_queue_wait = metrics.token_queue_wait.labels(*values)
+        self.step_batch_size = metrics.step_batch_size.labels(*values)
+        self.step_duration = {k: metrics.step_duration.labels(*values, k) for k in STEP_KINDS}
+
+    def on_step(self, plan: StepPlan, events: list[tuple[Sequence, TokenEvent]], started_us: int,
+                finished_us: int) -> None:
+        """A step answered: `events` are the tokens it delivered (postprocess's result)."""
+        prefills = decodes = 0
+        for entry in plan.scheduled:
+            if entry.num_new_tokens == 1 and entry.num_computed_tokens >= entry.seq.num_prompt_tokens:
+                decodes += 1
+            else:
+                prefills += 1
+        if prefills or decodes:
+            kind = "mixed" if prefills and decodes else "decode" if decodes else "prefill"
+            self.step_duration[kind].observe((finished_us - started_us) * US)
+            self.step_batch_size.observe(prefills + decodes)
+        prompt = 0
+        previous = None
+        for seq, event in events:
+            if seq is previous:
+                continue  # forced tokens (a spent thinking budget) come with the sampled one: not a new latency
+            previous = seq
+            if not seq.first_token_us:
+                # vLLM counts a request's prompt with its first token; TTFT from its arrival here.
+                seq.first_token_us = finished_us
+                prompt += seq.num_prompt_tokens
+                self.ttft.observe((finished_us - seq.arrival_us) * US)
+            else:
+                self.itl.observe(event.latency_ms * 1e-3)
+            self.token_queue_wait.observe(event.queue_wait_us * US)
+        if prompt:
+            self.prompt_tokens.inc(prompt)
+        if events:
+            self.generation_tokens.inc(len(events))
+        if plan.scheduled:
+            self.iteration_tokens.observe(prompt + len(events))
+
+    def on_finished(self, seq: Sequence, reason: str, now_us: int) -> None:
+        """Once per sequence, when its Generate call is done with it (finished, aborted or failed)."""
+        self.success[reason].inc()
+        self.e2e.observe((now_us - seq.arrival_us) * US)
+        scheduled = seq.first_scheduled_us or now_us
+        self.queue_time.observe((scheduled - seq.arrival_us) * US)
+        first, last = seq.first_token_us, seq.last_event_us
+        if first:
+            self.prefill_time.observe((first - scheduled) * US)
+            self.decode_time.observe((last - first) * US)
+            self.inference_time.observe((last - scheduled) * US)
+        else:
+            for hist in (self.prefill_time, self.decode_time, self.inference_time):
+                hist.observe(0.0)
+        generated = len(seq.output_token_ids)
+        self.tpot.observe((last - first) * US / (generated - 1) if first and generated > 1 else 0.0)
+        self.request_prompt_tokens.observe(seq.num_prompt_tokens)
+        self.request_generation_tokens.observe(generated)
+
+
+class _StateCollector(Collector):
+    """Gauges and state counters, read from the engines when scraped."""
+
+    def __init__(self, metrics: SchedulerMetrics, engines: Seq[EngineLoop]):
+        self.metrics = metrics
+        self.engines = engines
+
+    def describe(self):
+        return []  # computed at collect time: nothing to check for name clashes up front
+
+    def collect(self):
+        labels = list(LABELS)
+        running = GaugeMetricFamily("vllm:num_requests_running", "Number of requests in model execution batches.",
+                                    labels=labels)
+        waiting = GaugeMetricFamily("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+                                    labels=labels)
+        usage = GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+                                  labels=labels)
+        cache_info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                                       labels=["block_size", "enable_prefix_caching", "engine", "num_gpu_blocks"])
+        queries = CounterMetricFamily("vllm:prefix_cache_queries",
+                                      "Prefix cache queries, in terms of number of queried tokens.", labels=labels)
+        hits = CounterMetricFamily("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+                                   labels=labels)
+        preemptions = CounterMetricFamily("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
+                                          labels=labels)
+        used = GaugeMetricFamily("stormserve:kv_blocks_used", "KV blocks held by sequences on the worker.",
+                                 labels=labels)
+        free = GaugeMetricFamily("stormserve:kv_blocks_free",
+                                 "KV blocks a sequence can get now (free or evictable prefix-cache blocks).",
+                                 labels=labels)
+        healthy = GaugeMetricFamily("stormserve:worker_healthy",
+                                    "1 while the worker is serving and its KV state known, else 0.",
+                                    labels=labels + ["worker"])
+        for index, engine in enumerate(self.engines):
+            label = engine.metrics.label if engine.metrics is not None else str(index)
+            values = [self.metrics.model_name, label]
+            policy = engine.policy
+            healthy.add_metric(values + [engine.worker.address], 1.0 if engine.is_ready else 0.0)
+            counts = engine.cache_counts()
+            queries.add_metric(values, counts[0])
+            hits.add_metric(values, counts[1])
+            preemptions.add_metric(values, counts[2])
+            if policy is None:
+                continue
+            num_running = len(policy.running)
+            running.add_metric(values, num_running)
+            waiting.add_metric(values, policy.num_unfinished - num_running)
+            total = policy.blocks.num_blocks
+            num_free = policy.num_free_blocks
+            usage.add_metric(values, 1.0 - num_free / total if total else 0.0)
+            used.add_metric(values, total - num_free)
+            free.add_metric(values, num_free)
+            cache_info.add_metric([str(policy.blocks.block_size), "True", label, str(total)], 1.0)
+        yield from (running, waiting, usage, cache_info, queries, hits, preemptions, used, free, healthy)

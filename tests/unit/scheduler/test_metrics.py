@@ -1,0 +1,157 @@
+"""The scheduler's metrics on the batching policy and a fake worker: counters
+move by exactly the tokens delivered, histograms get one observation where
+vLLM's do, with vLLM's boundaries, and the scrape-time gauges follow the state."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from services.common.metrics import build_1_2_5_buckets
+from services.scheduler.engine import EngineLoop
+from services.scheduler.metrics import SchedulerMetrics
+from services.scheduler.sequence import FinishReason
+from tests.unit.scheduler.test_policy import BLOCK_SIZE, FakeWorker, make_policy, make_seq
+
+MODEL = "m"
+ENGINE = {"model_name": MODEL, "engine": "0"}
+
+
+def scrape(metrics: SchedulerMetrics) -> dict[tuple[str, frozenset], float]:
+    text = generate_latest(metrics.registry).decode()
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def value(samples, name: str, **labels) -> float:
+    return samples[(name, frozenset({**ENGINE, **labels}.items()))]
+
+
+def bounds(samples, name: str) -> list[float]:
+    return sorted(float(dict(labels)["le"]) for n, labels in samples if n == name + "_bucket")
+
+
+def setup(num_blocks=100):
+    policy, engine = make_policy(num_blocks=num_blocks), EngineLoop(SimpleNamespace(address="w0"), 8, 1000)
+    engine.policy = policy
+    engine._ready.set()
+    metrics = SchedulerMetrics(MODEL, 100, [engine])
+    engine.metrics = metrics.engine(0)
+    return policy, engine, metrics
+
+
+def step(policy, engine, worker, started_us, finished_us):
+    plan = policy.schedule()
+    events = policy.postprocess(plan, worker.step(plan), started_us, finished_us)
+    engine.metrics.on_step(plan, events, started_us, finished_us)
+    return events
+
+
+def test_token_counters_and_per_token_histograms_follow_the_delivered_tokens():
+    policy, engine, metrics = setup()
+    worker = FakeWorker(token=7)
+    a, b = make_seq(1, prompt_len=5, max_tokens=4, arrival_us=1_000), make_seq(2, prompt_len=3, max_tokens=2,
+                                                                                arrival_us=1_000)
+    policy.add(a)
+    policy.add(b)
+    delivered, now = 0, 1_000
+    while policy.has_work():
+        delivered += len(step(policy, engine, worker, now, now + 10_000))
+        now += 10_000
+    samples = scrape(metrics)
+    assert delivered == 6
+    assert value(samples, "vllm:prompt_tokens_total") == 8
+    assert value(samples, "vllm:generation_tokens_total") == 6
+    # First token 10 ms after arrival for both; then one token every 10 ms.
+    assert value(samples, "vllm:time_to_first_token_seconds_count") == 2
+    assert abs(value(samples, "vllm:time_to_first_token_seconds_sum") - 0.02) < 1e-9
+    assert value(samples, "vllm:inter_token_latency_seconds_count") == (4 - 1) + (2 - 1)
+    assert abs(value(samples, "vllm:inter_token_latency_seconds_sum") - 0.04) < 1e-9
+    assert value(samples, "stormserve:token_queue_wait_seconds_count") == 6
+    # Prompt tokens count in the step of the first token, with the tokens generated in it.
+    assert value(samples, "vllm:iteration_tokens_total_sum") == 8 + 6
+    assert value(samples, "stormserve:step_duration_seconds_count", kind="prefill") == 1
+    assert value(samples, "stormserve:step_duration_seconds_count", kind="decode") == 3
+    assert value(samples, "stormserve:step_batch_size_sum") == 2 + 2 + 1 + 1
+
+    for seq in (a, b):
+        engine.metrics.on_finished(seq, seq.finish_reason.value, now)
+    samples = scrape(metrics)
+    assert value(samples, "vllm:request_success_total", finished_reason="length") == 2
+    assert value(samples, "vllm:request_success_total", finished_reason="stop") == 0
+    assert value(samples, "vllm:request_prompt_tokens_sum") == 8
+    assert value(samples, "vllm:request_generation_tokens_sum") == 6
+    assert value(samples, "vllm:e2e_request_latency_seconds_count") == 2
+    assert value(samples, "vllm:request_queue_time_seconds_count") == 2
+    # Decode time from first to last token; per output token over the tokens after the first.
+    assert abs(value(samples, "vllm:request_decode_time_seconds_sum") - (0.03 + 0.01)) < 1e-9
+    assert abs(value(samples, "vllm:request_time_per_output_token_seconds_sum") - 0.02) < 1e-9
+
+
+def test_histograms_have_vllms_boundaries():
+    _, _, metrics = setup()
+    samples = scrape(metrics)
+    inf = float("inf")
+    ttft = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+            80.0, 160.0, 640.0, 2560.0, inf]
+    itl = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+           inf]
+    latency = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0, 1920.0, 7680.0, inf]
+    assert bounds(samples, "vllm:time_to_first_token_seconds") == ttft
+    assert bounds(samples, "vllm:inter_token_latency_seconds") == itl
+    assert bounds(samples, "vllm:request_time_per_output_token_seconds") == itl
+    for name in ("e2e_request_latency_seconds", "request_queue_time_seconds", "request_prefill_time_seconds",
+                 "request_decode_time_seconds", "request_inference_time_seconds"):
+        assert bounds(samples, "vllm:" + name) == latency
+    assert bounds(samples, "vllm:request_prompt_tokens") == [1, 2, 5, 10, 20, 50, 100, inf]
+    assert build_1_2_5_buckets(2560) == [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000]
+    assert bounds(samples, "vllm:iteration_tokens_total") == [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096,
+                                                               8192, 16384, inf]
+    assert not any("pid" in dict(labels) for _, labels in samples)
+
+
+def test_gauges_follow_the_state_and_return_to_idle_after_aborts():
+    policy, engine, metrics = setup(num_blocks=10)
+    worker = FakeWorker(token=7)
+    samples = scrape(metrics)
+    assert value(samples, "vllm:num_requests_running") == 0
+    assert value(samples, "vllm:kv_cache_usage_perc") == 0
+    assert samples[("vllm:cache_config_info", frozenset({"engine": "0", "block_size": str(BLOCK_SIZE),
+                                                          "num_gpu_blocks": "10",
+                                                          "enable_prefix_caching": "True"}.items()))] == 1
+    seqs = [make_seq(i, prompt_len=8, max_tokens=4) for i in range(1, 5)]
+    for seq in seqs:
+        policy.add(seq)
+    step(policy, engine, worker, 1_000, 2_000)
+    samples = scrape(metrics)
+    running = value(samples, "vllm:num_requests_running")
+    assert running >= 1 and running + value(samples, "vllm:num_requests_waiting") == 4
+    used = value(samples, "stormserve:kv_blocks_used")
+    assert used > 0 and value(samples, "vllm:kv_cache_usage_perc") == used / 10
+    assert value(samples, "stormserve:kv_blocks_free") == 10 - used
+    for seq in seqs:  # every client left
+        policy.finish(seq, FinishReason.ABORT)
+        engine.metrics.on_finished(seq, "abort", 3_000)
+    samples = scrape(metrics)
+    assert value(samples, "vllm:num_requests_running") == value(samples, "vllm:num_requests_waiting") == 0
+    assert value(samples, "vllm:kv_cache_usage_perc") == 0
+    assert value(samples, "vllm:request_success_total", finished_reason="abort") == 4
+    assert value(samples, "stormserve:worker_healthy", worker="w0") == 1
+
+
+def test_prefix_cache_counts_queries_and_hits_in_tokens_across_worker_restarts():
+    policy, engine, metrics = setup()
+    worker = FakeWorker(token=7)
+    for seq_id in (1, 2):  # the same 9-token prompt twice: 2 full blocks of 4 reused
+        policy.add(make_seq(seq_id, prompt_len=9, max_tokens=1))
+        while policy.has_work():
+            step(policy, engine, worker, 1_000, 2_000)
+    samples = scrape(metrics)
+    assert value(samples, "vllm:prefix_cache_queries_total") == 18
+    assert value(samples, "vllm:prefix_cache_hits_total") == 8
+    engine._become_ready(policy.capacity)  # a restarted worker: a fresh policy, the counters go on
+    samples = scrape(metrics)
+    assert value(samples, "vllm:prefix_cache_queries_total") == 18
+    assert value(samples, "vllm:num_preemptions_total") == 0

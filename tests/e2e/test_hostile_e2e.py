@@ -123,7 +123,10 @@ def test_clients_that_stop_reading_are_cancelled_and_free_their_sequences(hostil
         assert idle.num_free_kv_blocks == idle.num_kv_blocks
         for sock in sockets:
             reply = read_to_end(sock)  # the edge closed the connection
-            assert reply.startswith(b"HTTP/1.1 200") and b"data: [DONE]" not in reply  # cut, not finished
+            assert reply.startswith(b"HTTP/1.1 200"), reply[:200]
+            # Cut, not finished: closed without [DONE] (stalled past the stall timeout), or
+            # ended by an error frame (fell more than the buffer behind, and that frame fitted).
+            assert b"data: [DONE]" not in reply or b'"code":503' in reply, reply[-500:]
     finally:
         for sock in sockets:
             sock.close()

@@ -23,16 +23,19 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from services.common.config import env_name
 from services.common.drain import DEFAULT_DRAIN_TIMEOUT_S
+from services.common.envoy_config import EnvoyConfig, from_environ
+from services.common.envoy_config import write as write_envoy_config
 from services.common.log import setup_logging
 
 log = logging.getLogger("stormserve.supervisor")
@@ -85,6 +88,9 @@ class Chain:
     # its HTTP port); one missing is given a free port at start. metrics=False: none.
     metrics: bool = True
     metrics_ports: dict[str, int] = field(default_factory=dict)
+    # Envoy in front of the edge and the tokenizer (deploy/envoy), started last;
+    # its edge and tokenizer ports are this chain's. None: no Envoy.
+    envoy: EnvoyConfig | None = None
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     clock: Callable[[], float] = time.monotonic  # for the restart delays
     restarts: dict[str, int] = field(default_factory=dict)  # per service, since start
@@ -99,6 +105,10 @@ class Chain:
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.edge_port}"
+
+    @property
+    def envoy_url(self) -> str | None:
+        return None if self.envoy is None else self.envoy.url
 
     @property
     def metrics_urls(self) -> dict[str, str]:
@@ -124,6 +134,11 @@ class Chain:
                     "--scheduler-address", f"127.0.0.1:{self.scheduler_port}", *self._metrics_flag("tokenizer"))
         self._spawn("http_edge", "services.http_edge", "--host", self.host, "--port", str(self.edge_port),
                     "--tokenizer-address", f"127.0.0.1:{self.tokenizer_port}")
+        if self.envoy is not None:
+            self.envoy = replace(self.envoy, edge_port=self.edge_port, tokenizer_port=self.tokenizer_port)
+            config_dir = self.log_dir or Path(tempfile.mkdtemp(prefix="stormserve-envoy-"))
+            config = write_envoy_config(self.envoy, config_dir / "envoy.yaml")
+            self._spawn("envoy", "services.common.envoy_config", "exec", str(config))
 
     def restart(self, name: str) -> None:
         """Start `name` again with its original arguments (after it died or was stopped)."""
@@ -215,14 +230,31 @@ class Chain:
             for name, proc in self.procs.items():
                 if proc.poll() is not None:
                     raise RuntimeError(f"{name} exited with {proc.returncode} during start-up{self._log_hint(name)}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as reply:
-                    if reply.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
+            if self._healthy():
+                return
             time.sleep(0.5)
         raise TimeoutError(f"the chain did not become healthy within {timeout_s:.0f} s")
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=2) as reply:
+                if reply.status != 200:
+                    return False
+        except (urllib.error.URLError, OSError):
+            return False
+        if self.envoy is None:
+            return True
+        if self.envoy.cert_file:  # TLS (maybe mutual): Envoy is up once it accepts connections
+            try:
+                socket.create_connection((self.envoy.listen_host, self.envoy.listen_port), timeout=2).close()
+                return True
+            except OSError:
+                return False
+        try:
+            with urllib.request.urlopen(self.envoy.url + "/health", timeout=2) as reply:
+                return reply.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
 
     @property
     def stop_grace_s(self) -> float:
@@ -275,8 +307,12 @@ def main() -> None:
     # Metrics ports next to the edge's: tokenizer +1, scheduler +2, workers +3 on.
     metrics_ports = {"tokenizer": args.port + 1, "scheduler": args.port + 2,
                      **{f"worker{i}": args.port + 3 + i for i in range(args.workers)}}
+    envoy = None
+    if os.environ.get("STORMSERVE_ENVOY", "0").strip().lower() in ("1", "true", "yes", "on"):
+        envoy = from_environ(edge_port=args.port, tokenizer_port=50051)
     chain = Chain(host=args.host, edge_port=args.port,
-                  worker_ports=[50053 + i for i in range(args.workers)], metrics_ports=metrics_ports)
+                  worker_ports=[50053 + i for i in range(args.workers)], metrics_ports=metrics_ports,
+                  envoy=envoy)
     setup_logging("supervisor")
     supervising = False
     exit_code = 0
@@ -294,6 +330,9 @@ def main() -> None:
         chain.start()
         chain.wait_ready()
         print(f"stormserve is ready: {chain.url}/v1/chat/completions", flush=True)
+        if chain.envoy_url is not None:
+            print(f"  through Envoy: {chain.envoy_url}/v1/chat/completions (gRPC and "
+                  f"{chain.envoy_url}/v1/grpc/chat as well)", flush=True)
         for name, url in chain.metrics_urls.items():
             print(f"  metrics of {name}: {url}", flush=True)
         supervising = True

@@ -1,0 +1,60 @@
+"""deploy/envoy: the rendered config passes the real Envoy's `--mode validate`
+(plain, TLS, mutual TLS) and carries the edge's limits."""
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+import yaml
+
+from services.common.envoy_config import DESCRIPTOR, MIB, EnvoyConfig, envoy_binary, envoy_command, render, write
+from tests.tls import TestCA
+
+
+@pytest.fixture(scope="module")
+def tls_files(tmp_path_factory):
+    ca = TestCA(tmp_path_factory.mktemp("ca"))
+    return ca, ca.issue("envoy", server=True)
+
+
+def configs(ca, server):
+    return {
+        "plain": EnvoyConfig(),
+        "tls": EnvoyConfig(cert_file=str(server.cert), key_file=str(server.key)),
+        "mtls": EnvoyConfig(cert_file=str(server.cert), key_file=str(server.key), client_ca_file=str(ca.cert)),
+    }
+
+
+def test_the_wheel_carries_envoy():
+    version = subprocess.run([str(envoy_binary()), "--version"], capture_output=True, text=True, timeout=60)
+    assert "/1.40.0/" in version.stdout, version.stdout + version.stderr
+
+
+@pytest.mark.parametrize("kind", ["plain", "tls", "mtls"])
+def test_envoy_validates_the_rendered_config(kind, tls_files, tmp_path):
+    assert DESCRIPTOR.exists(), "make descriptors builds it"
+    path = write(configs(*tls_files)[kind], tmp_path / "envoy.yaml")
+    result = subprocess.run(envoy_command(path, "--mode", "validate"), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "OK" in result.stdout + result.stderr
+
+
+def test_limits_follow_the_edge(tls_files):
+    config = yaml.safe_load(render(EnvoyConfig(max_request_mib=7, request_timeout_s=100)))
+    text = repr(config)
+    assert f"'max_request_bytes': {7 * MIB}" in text
+    assert "'timeout': '130s'" in text  # the edge's deadline and a margin: its own error comes first
+    assert "'stream_idle_timeout': '130s'" in text
+    assert "connect-failure,refused-stream,reset-before-request" in text
+    assert "'5xx'" not in text and "gateway-error" not in text  # a generation is never retried
+    mtls = render(configs(*tls_files)["mtls"])
+    assert "require_client_certificate: true" in mtls and str(tls_files[0].cert) in mtls
+    unlimited = render(EnvoyConfig(request_timeout_s=None))
+    assert "stream_idle_timeout: 0s" in unlimited
+
+
+def test_half_tls_is_refused():
+    with pytest.raises(ValueError):
+        EnvoyConfig(cert_file="a.pem")
+    with pytest.raises(ValueError):
+        EnvoyConfig(client_ca_file="ca.pem")

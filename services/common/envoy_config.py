@@ -46,6 +46,7 @@ class EnvoyConfig:
     idle_timeout_s: float = 300.0  # a downstream connection with no stream open
     connect_timeout_s: float = 5.0  # to the edge or the tokenizer
     max_concurrent_streams: int = 128  # per HTTP/2 connection
+    max_connections: int = 4096  # open client connections, all together
     # Server TLS when cert_file is set; mutual TLS when client_ca_file is set as well.
     cert_file: str = ""
     key_file: str = ""

@@ -1,5 +1,7 @@
 """Run the whole chain locally as separate processes: worker(s) → scheduler →
-tokenizer → http_edge. `make run` uses it; so do the end-to-end tests.
+tokenizer → http_edge, and Envoy in front when STORMSERVE_ENVOY=1 (on
+STORMSERVE_ENVOY_PORT, default 8080; deploy/envoy). `make run` uses it; so do
+the end-to-end tests.
 
 Prints the URL, and every `/metrics` URL, once `/health` answers 200. From then on a service that exits
 is started again, as Kubernetes restarts a crashed container: after 1 s, then

@@ -58,3 +58,14 @@ def test_half_tls_is_refused():
         EnvoyConfig(cert_file="a.pem")
     with pytest.raises(ValueError):
         EnvoyConfig(client_ca_file="ca.pem")
+
+
+def test_local_run_settings_come_from_the_environment(tmp_path):
+    from services.common.envoy_config import from_environ
+
+    assert from_environ(8000, 50051, environ={}).url == "http://127.0.0.1:8080"
+    config = from_environ(9000, 50061, environ={"STORMSERVE_ENVOY_PORT": "9090", "STORMSERVE_MAX_REQUEST_MIB": "3",
+                                                "STORMSERVE_REQUEST_TIMEOUT_S": ""})
+    assert (config.listen_port, config.edge_port, config.tokenizer_port) == (9090, 9000, 50061)
+    assert (config.max_request_mib, config.request_timeout_s) == (3, None)
+    assert "max_active_downstream_connections: 4096" in render(config)

@@ -53,6 +53,15 @@ def load_reader(stub):
     return lambda: stub.GetLoad(scheduler_pb2.GetLoadRequest(), timeout=5)
 
 
+def wait_until_idle(load, timeout_s: float = 20.0):
+    """Polls `load` (a load_reader) until the scheduler runs and queues nothing, at
+    most `timeout_s`; returns the last reading."""
+    deadline = time.monotonic() + timeout_s
+    while (now := load()).num_running + now.num_waiting and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return now
+
+
 @pytest.fixture(scope="session")
 def chain_and_stub(tmp_path_factory):
     """float32: tests assert exact greedy text, and in bfloat16 a near-tie between the

@@ -19,7 +19,7 @@ import pytest
 from services.common.envoy_config import MIB, EnvoyConfig, envoy_command, write
 from services.common.supervisor import free_port
 from stormserve.chat.v1 import chat_pb2, chat_pb2_grpc
-from tests.e2e.conftest import MODEL, load_reader, running_chain
+from tests.e2e.conftest import MODEL, load_reader, running_chain, wait_until_idle
 from tests.tls import TestCA
 
 QUESTION = [{"role": "user", "content": "Which city is the capital of France?"}]
@@ -153,12 +153,7 @@ def test_disconnect_through_envoy_frees_the_sequence(envoy_chain, envoy_url):
         received = [next(lines) for _ in range(6)]
         assert any(line.startswith("data: {") for line in received)
         assert load().num_running + load().num_waiting >= 1
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        now = load()
-        if now.num_running == 0 and now.num_waiting == 0:
-            break
-        time.sleep(0.2)
+    now = wait_until_idle(load)
     assert (now.num_running, now.num_waiting) == (0, 0)
 
 

@@ -239,3 +239,33 @@ def test_mutual_tls_refuses_a_client_without_a_certificate(envoy_chain, ca, tmp_
         foreign.load_cert_chain(str(stranger.cert), str(stranger.key))
         with pytest.raises(httpx.TransportError):
             httpx.get(config.url + "/health", verify=foreign)
+
+
+def test_grpc_web_health_and_reflection_through_envoy(envoy_url):
+    """A browser's gRPC-Web call is turned into gRPC; health and reflection reach the tokenizer."""
+    frame = b"\x00" + len(b"").to_bytes(4, "big")  # one empty ListModelsRequest
+    response = httpx.post(envoy_url + "/stormserve.chat.v1.ChatService/ListModels", content=frame, timeout=30,
+                          headers={"content-type": "application/grpc-web+proto", "x-grpc-web": "1"})
+    assert response.status_code == 200 and response.headers["content-type"].startswith("application/grpc-web")
+    body = response.content
+    assert body[0] == 0 and MODEL.encode() in body  # a data frame with the model
+    trailer = body[5 + int.from_bytes(body[1:5], "big"):]
+    assert trailer[0] == 0x80 and b"grpc-status:0" in trailer
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    with grpc.insecure_channel(envoy_url.removeprefix("http://")) as channel:
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=30)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+        replies = reflection.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                                                  timeout=30)
+        services = [s.name for reply in replies for s in reply.list_services_response.service]
+        assert "stormserve.chat.v1.ChatService" in services
+
+
+def test_transcoded_body_with_an_unknown_field(envoy_url):
+    """Envoy has no option to reject unknown JSON body fields: they are ignored (README)."""
+    request = {"model": MODEL, "messages": QUESTION, "max_tokens": 2, "no_such_field": 1}
+    response = httpx.post(envoy_url + "/v1/grpc/chat", json=request, timeout=60)
+    assert response.status_code == 200, response.text

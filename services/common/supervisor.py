@@ -1,6 +1,6 @@
 """Run the whole chain locally as separate processes: worker(s) → scheduler →
 tokenizer → http_edge, and Envoy in front when STORMSERVE_ENVOY=1 (on
-STORMSERVE_ENVOY_PORT, default 8080; deploy/envoy). `make run` uses it; so do
+STORMSERVE_ENVOY_PORT, default 8080; services/envoy, deploy/envoy). `make run` uses it; so do
 the end-to-end tests.
 
 Prints the URL, and every `/metrics` URL, once `/health` answers 200. From then on a service that exits
@@ -25,7 +25,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.error
@@ -34,11 +33,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from services.common.config import env_name
+from services.common.config import env_name, load_config
 from services.common.drain import DEFAULT_DRAIN_TIMEOUT_S
-from services.common.envoy_config import EnvoyConfig, from_environ
-from services.common.envoy_config import write as write_envoy_config
 from services.common.log import setup_logging
+from services.envoy.config import EnvoyConfig
+from services.envoy.render import as_flags
 
 log = logging.getLogger("stormserve.supervisor")
 
@@ -137,10 +136,9 @@ class Chain:
         self._spawn("http_edge", "services.http_edge", "--host", self.host, "--port", str(self.edge_port),
                     "--tokenizer-address", f"127.0.0.1:{self.tokenizer_port}")
         if self.envoy is not None:
-            self.envoy = replace(self.envoy, edge_port=self.edge_port, tokenizer_port=self.tokenizer_port)
-            config_dir = self.log_dir or Path(tempfile.mkdtemp(prefix="stormserve-envoy-"))
-            config = write_envoy_config(self.envoy, config_dir / "envoy.yaml")
-            self._spawn("envoy", "services.common.envoy_config", "exec", str(config))
+            self.envoy = replace(self.envoy, edge_address=f"127.0.0.1:{self.edge_port}",
+                                 tokenizer_address=f"127.0.0.1:{self.tokenizer_port}")
+            self._spawn("envoy", "services.envoy", *as_flags(self.envoy))
 
     def restart(self, name: str) -> None:
         """Start `name` again with its original arguments (after it died or was stopped)."""
@@ -246,9 +244,9 @@ class Chain:
             return False
         if self.envoy is None:
             return True
-        if self.envoy.cert_file:  # TLS (maybe mutual): Envoy is up once it accepts connections
+        if self.envoy.envoy_cert_file:  # TLS (maybe mutual): Envoy is up once it accepts connections
             try:
-                socket.create_connection((self.envoy.listen_host, self.envoy.listen_port), timeout=2).close()
+                socket.create_connection((self.envoy.envoy_host, self.envoy.envoy_port), timeout=2).close()
                 return True
             except OSError:
                 return False
@@ -311,7 +309,7 @@ def main() -> None:
                      **{f"worker{i}": args.port + 3 + i for i in range(args.workers)}}
     envoy = None
     if os.environ.get("STORMSERVE_ENVOY", "0").strip().lower() in ("1", "true", "yes", "on"):
-        envoy = from_environ(edge_port=args.port, tokenizer_port=50051)
+        envoy = load_config(EnvoyConfig, argv=[])  # STORMSERVE_ENVOY_PORT and the rest; ports are the chain's
     chain = Chain(host=args.host, edge_port=args.port,
                   worker_ports=[50053 + i for i in range(args.workers)], metrics_ports=metrics_ports,
                   envoy=envoy)

@@ -7,7 +7,9 @@ import subprocess
 import pytest
 import yaml
 
-from services.common.envoy_config import DESCRIPTOR, MIB, EnvoyConfig, envoy_binary, envoy_command, render, write
+from services.common.config import load_config
+from services.envoy.config import DESCRIPTOR, EnvoyConfig
+from services.envoy.render import MIB, as_flags, envoy_binary, envoy_command, render, write
 from tests.tls import TestCA
 
 
@@ -20,8 +22,9 @@ def tls_files(tmp_path_factory):
 def configs(ca, server):
     return {
         "plain": EnvoyConfig(),
-        "tls": EnvoyConfig(cert_file=str(server.cert), key_file=str(server.key)),
-        "mtls": EnvoyConfig(cert_file=str(server.cert), key_file=str(server.key), client_ca_file=str(ca.cert)),
+        "tls": EnvoyConfig(envoy_cert_file=str(server.cert), envoy_key_file=str(server.key)),
+        "mtls": EnvoyConfig(envoy_cert_file=str(server.cert), envoy_key_file=str(server.key),
+                            envoy_client_ca_file=str(ca.cert)),
     }
 
 
@@ -55,17 +58,19 @@ def test_limits_follow_the_edge(tls_files):
 
 def test_half_tls_is_refused():
     with pytest.raises(ValueError):
-        EnvoyConfig(cert_file="a.pem")
+        EnvoyConfig(envoy_cert_file="a.pem")
     with pytest.raises(ValueError):
-        EnvoyConfig(client_ca_file="ca.pem")
+        EnvoyConfig(envoy_client_ca_file="ca.pem")
+    with pytest.raises(ValueError):
+        EnvoyConfig(edge_address="no-port")
 
 
-def test_local_run_settings_come_from_the_environment(tmp_path):
-    from services.common.envoy_config import from_environ
-
-    assert from_environ(8000, 50051, environ={}).url == "http://127.0.0.1:8080"
-    config = from_environ(9000, 50061, environ={"STORMSERVE_ENVOY_PORT": "9090", "STORMSERVE_MAX_REQUEST_MIB": "3",
-                                                "STORMSERVE_REQUEST_TIMEOUT_S": ""})
-    assert (config.listen_port, config.edge_port, config.tokenizer_port) == (9090, 9000, 50061)
-    assert (config.max_request_mib, config.request_timeout_s) == (3, None)
+def test_settings_come_from_the_environment_and_round_trip_as_flags():
+    assert load_config(EnvoyConfig, argv=[], environ={}).url == "http://127.0.0.1:8080"
+    config = load_config(EnvoyConfig, argv=[], environ={
+        "STORMSERVE_ENVOY_PORT": "9090", "STORMSERVE_MAX_REQUEST_MIB": "3", "STORMSERVE_REQUEST_TIMEOUT_S": "",
+        "STORMSERVE_TOKENIZER_ADDRESS": "tok:50061"})
+    assert (config.envoy_port, config.tokenizer, config.max_request_mib, config.request_timeout_s) == (
+        9090, ("tok", 50061), 3, None)
     assert "max_active_downstream_connections: 4096" in render(config)
+    assert load_config(EnvoyConfig, argv=as_flags(config), environ={}) == config

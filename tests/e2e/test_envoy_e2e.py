@@ -16,7 +16,8 @@ import grpc
 import httpx
 import pytest
 
-from services.common.envoy_config import MIB, EnvoyConfig, envoy_command, write
+from services.envoy.config import EnvoyConfig
+from services.envoy.render import MIB, envoy_command, write
 from services.common.supervisor import free_port
 from stormserve.chat.v1 import chat_pb2, chat_pb2_grpc
 from tests.e2e.conftest import MODEL, load_reader, running_chain, wait_until_idle
@@ -31,7 +32,7 @@ ENVOY_MAX_MIB = 1
 
 @pytest.fixture(scope="module")
 def envoy_chain(tmp_path_factory):
-    envoy = EnvoyConfig(listen_port=free_port(), admin_port=free_port(), max_request_mib=ENVOY_MAX_MIB)
+    envoy = EnvoyConfig(envoy_port=free_port(), envoy_admin_port=free_port(), max_request_mib=ENVOY_MAX_MIB)
     with running_chain(tmp_path_factory.mktemp("envoy-chain"), env={"STORMSERVE_DTYPE": "float32"},
                        envoy=envoy) as (chain, stub):
         yield chain, stub
@@ -158,7 +159,7 @@ def test_disconnect_through_envoy_frees_the_sequence(envoy_chain, envoy_url):
 
 
 def admin_counter(chain, name: str) -> int:
-    stats = httpx.get(f"http://127.0.0.1:{chain.envoy.admin_port}/stats", params={"filter": f"^{name}$"}).text
+    stats = httpx.get(f"http://127.0.0.1:{chain.envoy.envoy_admin_port}/stats", params={"filter": f"^{name}$"}).text
     return int(stats.split(":")[1]) if stats.strip() else 0
 
 
@@ -186,7 +187,7 @@ def running_envoy(config: EnvoyConfig, directory):
         while True:
             assert proc.poll() is None, (directory / "envoy.log").read_text()[-3000:]
             try:
-                socket.create_connection(("127.0.0.1", config.listen_port), timeout=1).close()
+                socket.create_connection(("127.0.0.1", config.envoy_port), timeout=1).close()
                 break
             except OSError:
                 assert time.monotonic() < deadline, "envoy did not listen"
@@ -206,9 +207,10 @@ def ca(tmp_path_factory):
 
 def tls_envoy(chain, ca, mutual: bool) -> EnvoyConfig:
     authority, server, _ = ca
-    return EnvoyConfig(listen_port=free_port(), edge_port=chain.edge_port, tokenizer_port=chain.tokenizer_port,
-                       cert_file=str(server.cert), key_file=str(server.key),
-                       client_ca_file=str(authority.cert) if mutual else "")
+    return EnvoyConfig(envoy_port=free_port(), edge_address=f"127.0.0.1:{chain.edge_port}",
+                       tokenizer_address=f"127.0.0.1:{chain.tokenizer_port}",
+                       envoy_cert_file=str(server.cert), envoy_key_file=str(server.key),
+                       envoy_client_ca_file=str(authority.cert) if mutual else "")
 
 
 def test_tls_with_a_test_ca(envoy_chain, ca, tmp_path):
@@ -217,7 +219,7 @@ def test_tls_with_a_test_ca(envoy_chain, ca, tmp_path):
         assert httpx.get(config.url + "/health", verify=context).status_code == 200
         assert httpx.get(config.url + "/v1/models", verify=context).json()["data"][0]["id"] == MODEL
         credentials = grpc.ssl_channel_credentials(root_certificates=ca[0].cert.read_bytes())
-        with grpc.secure_channel(f"127.0.0.1:{config.listen_port}", credentials) as channel:
+        with grpc.secure_channel(f"127.0.0.1:{config.envoy_port}", credentials) as channel:
             models = chat_pb2_grpc.ChatServiceStub(channel).ListModels(chat_pb2.ListModelsRequest(), timeout=30)
             assert MODEL in str(models)
         with pytest.raises(httpx.TransportError):  # a client that does not trust the test CA

@@ -271,3 +271,25 @@ def test_transcoded_body_with_an_unknown_field(envoy_url):
     request = {"model": MODEL, "messages": QUESTION, "max_tokens": 2, "no_such_field": 1}
     response = httpx.post(envoy_url + "/v1/grpc/chat", json=request, timeout=60)
     assert response.status_code == 200, response.text
+
+
+def test_a_transcoded_stream_that_fails_midway_is_a_200_that_breaks_off(envoy_url):
+    """What the README warns about (envoyproxy/envoy#5011): once the first chunk is out,
+    a gRPC status (here the caller's own deadline) cannot change the HTTP status. Over
+    HTTP/1.1 Envoy closes the connection without the last chunk of the body: no error
+    event, no final chunk, only a truncated transfer tells the client."""
+    request = {"model": MODEL, "messages": QUESTION, "max_tokens": 400, "ignore_eos": True}
+    body = b""
+    start = time.monotonic()
+    with httpx.stream("POST", envoy_url + "/v1/grpc/chat", json=request, headers={"grpc-timeout": "1500m"},
+                      timeout=120) as response:
+        assert response.status_code == 200
+        with pytest.raises(httpx.RemoteProtocolError, match="incomplete chunked read"):
+            for part in response.iter_bytes():
+                body += part
+    assert time.monotonic() - start < 30
+    events = [e for e in body.split(b"\n\n") if e]
+    assert events and all(e.startswith(b"data: ") for e in events)
+    chunks = [json.loads(e[len(b"data: "):])["chunk"] for e in events]
+    assert not any("usage" in c or "error" in c for c in chunks)
+    assert not [c for chunk in chunks for c in chunk.get("choices", []) if c.get("finishReason")]

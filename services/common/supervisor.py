@@ -32,12 +32,14 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from services.common.config import env_name, load_config
 from services.common.drain import DEFAULT_DRAIN_TIMEOUT_S
 from services.common.log import setup_logging
-from services.envoy.config import EnvoyConfig
-from services.envoy.render import as_flags
+
+if TYPE_CHECKING:  # every service imports this module; only the supervisor needs Envoy's
+    from services.envoy.config import EnvoyConfig
 
 log = logging.getLogger("stormserve.supervisor")
 
@@ -136,6 +138,8 @@ class Chain:
         self._spawn("http_edge", "services.http_edge", "--host", self.host, "--port", str(self.edge_port),
                     "--tokenizer-address", f"127.0.0.1:{self.tokenizer_port}")
         if self.envoy is not None:
+            from services.envoy.render import as_flags
+
             self.envoy = replace(self.envoy, edge_address=f"127.0.0.1:{self.edge_port}",
                                  tokenizer_address=f"127.0.0.1:{self.tokenizer_port}")
             self._spawn("envoy", "services.envoy", *as_flags(self.envoy))
@@ -309,6 +313,8 @@ def main() -> None:
                      **{f"worker{i}": args.port + 3 + i for i in range(args.workers)}}
     envoy = None
     if os.environ.get("STORMSERVE_ENVOY", "0").strip().lower() in ("1", "true", "yes", "on"):
+        from services.envoy.config import EnvoyConfig
+
         envoy = load_config(EnvoyConfig, argv=[])  # STORMSERVE_ENVOY_PORT and the rest; ports are the chain's
     chain = Chain(host=args.host, edge_port=args.port,
                   worker_ports=[50053 + i for i in range(args.workers)], metrics_ports=metrics_ports,

@@ -8,7 +8,7 @@ PROTOS := $(shell find proto -name '*.proto')
 THIRD_PARTY := build/third_party
 export PYTHONPATH := $(CURDIR)/gen:$(CURDIR)
 
-.PHONY: run test lint breaking protos setup clean
+.PHONY: run test lint breaking protos descriptors setup clean
 
 run: setup
 	$(PY) -m services.common.supervisor
@@ -16,7 +16,7 @@ run: setup
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-setup: $(VENV)/.installed protos $(BUF)
+setup: $(VENV)/.installed protos descriptors $(BUF)
 
 $(VENV)/.installed: requirements.txt
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON)"; exit 1; }
@@ -46,6 +46,14 @@ gen/.stamp: $(PROTOS) $(THIRD_PARTY)/.vendored
 	$(PY) -m grpc_tools.protoc -I proto -I $(THIRD_PARTY) \
 		--python_out=gen --grpc_python_out=gen --pyi_out=gen $(PROTOS)
 	touch $@
+
+# Envoy's grpc_json_transcoder reads the services from a descriptor set that
+# carries every imported file (google/api/*, google/protobuf/*) as well.
+descriptors: gen/stormserve.pb
+
+gen/stormserve.pb: gen/.stamp
+	$(PY) -m grpc_tools.protoc -I proto -I $(THIRD_PARTY) --include_imports --include_source_info \
+		--descriptor_set_out=$@ $(PROTOS)
 
 lint: setup
 	$(BUF) lint

@@ -1,5 +1,7 @@
 """Run the whole chain locally as separate processes: worker(s) → scheduler →
-tokenizer → http_edge. `make run` uses it; so do the end-to-end tests.
+tokenizer → http_edge, and Envoy in front when STORMSERVE_ENVOY=1 (on
+STORMSERVE_ENVOY_PORT, default 8080; services/envoy, deploy/envoy). `make run` uses it; so do
+the end-to-end tests.
 
 Prints the URL, and every `/metrics` URL, once `/health` answers 200. From then on a service that exits
 is started again, as Kubernetes restarts a crashed container: after 1 s, then
@@ -28,12 +30,16 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from services.common.config import env_name
+from services.common.config import env_name, load_config
 from services.common.drain import DEFAULT_DRAIN_TIMEOUT_S
 from services.common.log import setup_logging
+
+if TYPE_CHECKING:  # every service imports this module; only the supervisor needs Envoy's
+    from services.envoy.config import EnvoyConfig
 
 log = logging.getLogger("stormserve.supervisor")
 
@@ -85,6 +91,9 @@ class Chain:
     # its HTTP port); one missing is given a free port at start. metrics=False: none.
     metrics: bool = True
     metrics_ports: dict[str, int] = field(default_factory=dict)
+    # Envoy in front of the edge and the tokenizer (deploy/envoy), started last;
+    # its edge and tokenizer ports are this chain's. None: no Envoy.
+    envoy: EnvoyConfig | None = None
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     clock: Callable[[], float] = time.monotonic  # for the restart delays
     restarts: dict[str, int] = field(default_factory=dict)  # per service, since start
@@ -99,6 +108,10 @@ class Chain:
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.edge_port}"
+
+    @property
+    def envoy_url(self) -> str | None:
+        return None if self.envoy is None else self.envoy.url
 
     @property
     def metrics_urls(self) -> dict[str, str]:
@@ -124,6 +137,12 @@ class Chain:
                     "--scheduler-address", f"127.0.0.1:{self.scheduler_port}", *self._metrics_flag("tokenizer"))
         self._spawn("http_edge", "services.http_edge", "--host", self.host, "--port", str(self.edge_port),
                     "--tokenizer-address", f"127.0.0.1:{self.tokenizer_port}")
+        if self.envoy is not None:
+            from services.envoy.render import as_flags
+
+            self.envoy = replace(self.envoy, edge_address=f"127.0.0.1:{self.edge_port}",
+                                 tokenizer_address=f"127.0.0.1:{self.tokenizer_port}")
+            self._spawn("envoy", "services.envoy", *as_flags(self.envoy))
 
     def restart(self, name: str) -> None:
         """Start `name` again with its original arguments (after it died or was stopped)."""
@@ -215,14 +234,31 @@ class Chain:
             for name, proc in self.procs.items():
                 if proc.poll() is not None:
                     raise RuntimeError(f"{name} exited with {proc.returncode} during start-up{self._log_hint(name)}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as reply:
-                    if reply.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
+            if self._healthy():
+                return
             time.sleep(0.5)
         raise TimeoutError(f"the chain did not become healthy within {timeout_s:.0f} s")
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=2) as reply:
+                if reply.status != 200:
+                    return False
+        except (urllib.error.URLError, OSError):
+            return False
+        if self.envoy is None:
+            return True
+        if self.envoy.envoy_cert_file:  # TLS (maybe mutual): Envoy is up once it accepts connections
+            try:
+                socket.create_connection((self.envoy.envoy_host, self.envoy.envoy_port), timeout=2).close()
+                return True
+            except OSError:
+                return False
+        try:
+            with urllib.request.urlopen(self.envoy.url + "/health", timeout=2) as reply:
+                return reply.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
 
     @property
     def stop_grace_s(self) -> float:
@@ -275,8 +311,14 @@ def main() -> None:
     # Metrics ports next to the edge's: tokenizer +1, scheduler +2, workers +3 on.
     metrics_ports = {"tokenizer": args.port + 1, "scheduler": args.port + 2,
                      **{f"worker{i}": args.port + 3 + i for i in range(args.workers)}}
+    envoy = None
+    if os.environ.get("STORMSERVE_ENVOY", "0").strip().lower() in ("1", "true", "yes", "on"):
+        from services.envoy.config import EnvoyConfig
+
+        envoy = load_config(EnvoyConfig, argv=[])  # STORMSERVE_ENVOY_PORT and the rest; ports are the chain's
     chain = Chain(host=args.host, edge_port=args.port,
-                  worker_ports=[50053 + i for i in range(args.workers)], metrics_ports=metrics_ports)
+                  worker_ports=[50053 + i for i in range(args.workers)], metrics_ports=metrics_ports,
+                  envoy=envoy)
     setup_logging("supervisor")
     supervising = False
     exit_code = 0
@@ -294,6 +336,9 @@ def main() -> None:
         chain.start()
         chain.wait_ready()
         print(f"stormserve is ready: {chain.url}/v1/chat/completions", flush=True)
+        if chain.envoy_url is not None:
+            print(f"  through Envoy: {chain.envoy_url}/v1/chat/completions (gRPC and "
+                  f"{chain.envoy_url}/v1/grpc/chat as well)", flush=True)
         for name, url in chain.metrics_urls.items():
             print(f"  metrics of {name}: {url}", flush=True)
         supervising = True

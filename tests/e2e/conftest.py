@@ -20,16 +20,17 @@ def pytest_collection_modifyitems(items):
 
 
 @contextlib.contextmanager
-def running_chain(log_dir, num_workers: int = 1, env: dict[str, str] | None = None):
+def running_chain(log_dir, num_workers: int = 1, env: dict[str, str] | None = None, envoy=None):
     """The chain on free ports, yielded as (chain, scheduler stub) once /health
     answers and every worker is ready; stopped afterwards.
 
     Workers get a 1 GiB KV pool unless `env` says otherwise: the automatic
     budget (several GiB, touched at start) is more than any test needs, and
-    several chains run at once."""
+    several chains run at once. `envoy` (an EnvoyConfig) puts Envoy in front."""
     env = {"STORMSERVE_KV_CACHE_MIB": "1024", **(env or {})}
     chain = Chain(edge_port=free_port(), tokenizer_port=free_port(), scheduler_port=free_port(),
-                  worker_ports=[free_port() for _ in range(num_workers)], env=env, log_dir=log_dir)
+                  worker_ports=[free_port() for _ in range(num_workers)], env=env, log_dir=log_dir,
+                  envoy=envoy)
     chain.start()
     channel = grpc.insecure_channel(f"127.0.0.1:{chain.scheduler_port}")
     try:
@@ -50,6 +51,15 @@ def running_chain(log_dir, num_workers: int = 1, env: dict[str, str] | None = No
 def load_reader(stub):
     """Reads the scheduler's occupancy straight from its gRPC API."""
     return lambda: stub.GetLoad(scheduler_pb2.GetLoadRequest(), timeout=5)
+
+
+def wait_until_idle(load, timeout_s: float = 20.0):
+    """Polls `load` (a load_reader) until the scheduler runs and queues nothing, at
+    most `timeout_s`; returns the last reading."""
+    deadline = time.monotonic() + timeout_s
+    while (now := load()).num_running + now.num_waiting and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return now
 
 
 @pytest.fixture(scope="session")

@@ -2,13 +2,12 @@
 from __future__ import annotations
 
 import json
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
-from tests.e2e.conftest import MODEL
+from tests.e2e.conftest import MODEL, wait_until_idle
 
 QUESTION = [{"role": "user", "content": "Which city is the capital of France?"}]
 
@@ -189,12 +188,7 @@ def test_disconnect_mid_stream_frees_the_sequence(base_url, scheduler_load, open
         load = scheduler_load()
         assert load.num_running + load.num_waiting >= 1
     # Closing the response drops the connection: the sequence must leave the scheduler.
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        load = scheduler_load()
-        if load.num_running == 0 and load.num_waiting == 0:
-            break
-        time.sleep(0.2)
+    load = wait_until_idle(scheduler_load)
     assert (load.num_running, load.num_waiting) == (0, 0)
     assert httpx.get(base_url + "/health").status_code == 200
     reply = openai_client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=5)

@@ -1,0 +1,69 @@
+"""Envoy's typed config: flags and STORMSERVE_* variables like every service's.
+
+Its limits share their names with the edge's settings (`max_request_mib`,
+`request_timeout_s`), so one environment keeps the two consistent: Envoy refuses
+nothing the edge would take and answers first what the edge would refuse."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.common.config import require, setting
+
+ROOT = Path(__file__).resolve().parents[2]
+DESCRIPTOR = ROOT / "gen" / "stormserve.pb"
+DEFAULT_PORT = 8080
+
+
+def _address(name: str, value: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    require(bool(sep and host and port.isdigit()), f"{name} must be host:port, got {value!r}")
+    return host, int(port)
+
+
+@dataclass(frozen=True)
+class EnvoyConfig:
+    """Envoy in front of the HTTP edge and the ChatService (deploy/envoy)."""
+
+    envoy_host: str = setting("127.0.0.1", "address Envoy listens on")
+    envoy_port: int = setting(DEFAULT_PORT, "Envoy's one listener: REST/SSE, gRPC, gRPC-Web, transcoded JSON")
+    edge_address: str = setting("127.0.0.1:8000", "host:port of the HTTP edge")
+    tokenizer_address: str = setting("127.0.0.1:50051", "host:port of the ChatService (tokenizer) gRPC server")
+    envoy_admin_port: int = setting(0, "Envoy's admin interface on 127.0.0.1; 0 means none")
+    descriptor_path: str = setting(str(DESCRIPTOR), "descriptor set of the protos (`make descriptors`)")
+    max_request_mib: int = setting(40, "largest request body in MiB (the edge's); larger gets 413 from Envoy",
+                                   alias="maxRequestLength")
+    request_timeout_s: float | None = setting(
+        600.0, "the edge's request deadline; Envoy's route and stream-idle timeouts are 30 s more; "
+        "empty means none", alias="e2eTimeout")
+    envoy_header_timeout_s: float = setting(10.0, "seconds a request head may take to arrive")
+    envoy_idle_timeout_s: float = setting(300.0, "seconds a client connection with no stream open stays")
+    envoy_connect_timeout_s: float = setting(5.0, "seconds to connect to the edge or the tokenizer")
+    envoy_max_concurrent_streams: int = setting(128, "streams per HTTP/2 connection")
+    envoy_max_connections: int = setting(4096, "open client connections, all together")
+    envoy_cert_file: str = setting("", "server certificate chain (PEM); with envoy_key_file turns on TLS")
+    envoy_key_file: str = setting("", "server private key (PEM)")
+    envoy_client_ca_file: str = setting(
+        "", "CA bundle (PEM) for mutual TLS: a client without a certificate from it is refused")
+
+    def __post_init__(self) -> None:
+        _address("edge_address", self.edge_address)
+        _address("tokenizer_address", self.tokenizer_address)
+        require(0 < self.envoy_port <= 65535, f"envoy_port must be in (0, 65535], got {self.envoy_port}")
+        require(1 <= self.max_request_mib <= 100, f"max_request_mib must be in [1, 100], got {self.max_request_mib}")
+        require(bool(self.envoy_cert_file) == bool(self.envoy_key_file),
+                "TLS needs both envoy_cert_file and envoy_key_file")
+        require(not self.envoy_client_ca_file or bool(self.envoy_cert_file),
+                "mutual TLS (envoy_client_ca_file) needs server TLS (envoy_cert_file, envoy_key_file)")
+
+    @property
+    def edge(self) -> tuple[str, int]:
+        return _address("edge_address", self.edge_address)
+
+    @property
+    def tokenizer(self) -> tuple[str, int]:
+        return _address("tokenizer_address", self.tokenizer_address)
+
+    @property
+    def url(self) -> str:
+        return f"{'https' if self.envoy_cert_file else 'http'}://{self.envoy_host}:{self.envoy_port}"

@@ -24,16 +24,13 @@ from typing import Any
 import grpc
 
 from services.common.config import require, setting
-from services.common.errors import DRAIN_REFUSED, ServiceError, drain_expired, drain_refused
+from services.common.errors import ServiceError, drain_expired, drain_refused
 
 log = logging.getLogger(__name__)
 
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
 MAX_DRAIN_TIMEOUT_S = 3600.0
 POLL_S = 0.05
-# Ends the message of a call refused because its server drains: such a call never
-# started, and a client may send it again elsewhere (multiplex.CallMultiplexer does).
-REFUSED = DRAIN_REFUSED
 
 
 def drain_timeout_setting() -> Any:

@@ -62,7 +62,8 @@ WORKER_LOST = "the worker running this request was lost"
 NO_WORKER_READY = "no worker is ready"
 CLIENT_UNAVAILABLE_MESSAGES = frozenset({WORKER_LOST, NO_WORKER_READY})
 # A draining service's own words (drain.py): a new call refused, a running one
-# ended by the drain timeout. They name the service, never an address.
+# ended by the drain timeout. They name the service, never an address. A refused
+# call never started, so a client may send it again elsewhere (multiplex.py does).
 DRAIN_REFUSED = "is shutting down and takes no new requests"
 
 

@@ -34,8 +34,8 @@ from typing import Any
 import grpc
 from google.rpc import status_pb2
 
-from services.common.drain import REFUSED, Drain
-from services.common.errors import request_id_of, status_of
+from services.common.drain import Drain
+from services.common.errors import DRAIN_REFUSED, request_id_of, status_of
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
@@ -326,7 +326,7 @@ class CallMultiplexer:
         takes no new calls, so the next ones (this one first, once) go on a new
         stream, which a server that drains gracefully (tokenizer: it stops
         listening) lets the channel open elsewhere."""
-        if end.code != grpc.StatusCode.UNAVAILABLE.value[0] or not end.message.endswith(REFUSED) \
+        if end.code != grpc.StatusCode.UNAVAILABLE.value[0] or not end.message.endswith(DRAIN_REFUSED) \
                 or call._received or call._resent or call._end is not None:
             return False
         if self._stream is stream:

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from dataclasses import dataclass
 
 from stormserve.chat.v1 import chat_pb2
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from services.http_edge.convert import new_request_id
 from services.http_edge.metrics import EdgeMetrics
 
 access_log = logging.getLogger("stormserve.access")
@@ -77,7 +77,7 @@ class ObserveMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        record = RequestRecord("chatcmpl-" + uuid.uuid4().hex, time.monotonic())
+        record = RequestRecord(new_request_id(), time.monotonic())
         scope[RECORD_SCOPE_KEY] = record
         status = 500  # an exception that escapes every handler ends as a 500
 

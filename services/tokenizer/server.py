@@ -19,7 +19,6 @@ from services.tokenizer.output import ChoiceOutput
 from services.tokenizer.parsers.reasoning import THINK_END
 from services.tokenizer.structs import struct_to_dict
 from services.tokenizer.prompt import PromptBuilder, too_long
-from services.tokenizer.template import RenderedPrompt
 from services.tokenizer.tool_grammar import tool_choice_grammar
 from stormserve.chat.v1 import chat_pb2, chat_pb2_grpc
 from stormserve.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
@@ -60,9 +59,6 @@ class TokenizerCore:
     def check_model(self, model: str) -> None:
         if model and model != self.config.model_name:
             raise ServiceError(grpc.StatusCode.NOT_FOUND, f"Model not found: {model}")
-
-    async def render(self, messages, tools, kwargs: dict, add_generation_prompt: bool = True) -> RenderedPrompt:
-        return await self.prompts.render(messages, tools, kwargs, add_generation_prompt)
 
 
 def _check_beam_search(request: chat_pb2.ChatRequest) -> None:
@@ -146,7 +142,7 @@ class ChatServicer(chat_pb2_grpc.ChatServiceServicer):
         _check_beam_search(request)
         kwargs = struct_to_dict(request.chat_template_kwargs)
         tools = [] if request.tool_choice.mode == chat_pb2.TOOL_CHOICE_MODE_NONE else request.tools
-        prompt = await self.core.render(request.messages, tools, kwargs)
+        prompt = await self.core.prompts.render(request.messages, tools, kwargs)
         if len(prompt.token_ids) > self.core.max_input_tokens:
             raise too_long(self.core.max_input_tokens, str(len(prompt.token_ids)))
         request_id = request.request_id or f"chatcmpl-{uuid.uuid4().hex}"
@@ -236,6 +232,6 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
     async def ApplyChatTemplate(self, request, context):
         self.core.check_model(request.model)
         add = request.add_generation_prompt if request.HasField("add_generation_prompt") else True
-        prompt = await self.core.render(request.messages, request.tools,
+        prompt = await self.core.prompts.render(request.messages, request.tools,
                                         struct_to_dict(request.chat_template_kwargs), add)
         return tokenizer_pb2.ApplyChatTemplateResponse(prompt=prompt.text, token_ids=prompt.token_ids)

@@ -32,10 +32,6 @@ def now_us() -> int:
     return time.time_ns() // 1000
 
 
-# What a request on a lost worker ends with: its clients need not know which
-# worker that was, the log says (with the request's id).
-
-
 @dataclass
 class SequenceFailed:
     """Delivered instead of a token when the sequence cannot go on."""
@@ -232,6 +228,7 @@ class EngineLoop:
             else:
                 log.error("worker %s is not serving", address)
                 self._fail_all(f"worker {address} is not serving")
+
     def cache_counts(self) -> tuple[int, int, int]:
         """Prefix-cache queries and hits in tokens, and preemptions, since start."""
         queries, hits, preemptions = self._retired_counts

@@ -93,6 +93,7 @@ def test_a_dropped_watch_relists_and_finds_changes_whose_events_were_lost(kube):
         kube.set_slices_quietly(NS, [one_slice("workers-b", slice_endpoint("10.0.0.2", uid="p2"))])
         await asyncio.sleep(0.3)
         assert seen.endpoints == {"p1": (True, False)}  # no event: not seen yet
+        await until(lambda: kube.num_watches == 1)
         kube.drop_watches()
         await until(lambda: seen.endpoints == {"p2": (True, False)})
         assert watcher.num_lists == 2
@@ -173,6 +174,7 @@ def test_api_errors_back_off_and_keep_the_known_slices(kube):
 
     async def scenario(watcher, seen):
         await until(lambda: seen.endpoints == {"p1": (True, False)})
+        await until(lambda: kube.num_watches == 1)  # a drop before the watch opens would miss it
         watcher.api = KubeApi(kube.url, "forbidden/x")  # every call now answers 404
         kube.drop_watches()
         await until(lambda: watcher.last_error is not None and "404" in watcher.last_error)

@@ -26,7 +26,7 @@ from services.scheduler.plan import WorkerCapacity
 from services.scheduler.policy import BatchPolicy
 from services.scheduler.sequence import SamplingParams, Sequence, StoppingCriteria
 from services.scheduler.worker_client import sampled_tokens, step_request
-from services.worker.backend import select_backend
+from services.worker.platforms import select_platform
 from services.worker.convert import step_from_proto, step_to_proto
 from services.worker.model_runner import ModelRunner
 
@@ -102,7 +102,7 @@ def main() -> None:
 
     model_dir = resolve_model(args.model_path or default_model_path())
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    backend = select_backend("cpu")
+    backend = select_platform("cpu")
     runner = ModelRunner(model_dir, backend, backend.resolve_dtype(args.dtype), args.cache_block_size,
                          args.kv_cache_mib * 2**20, args.max_batch_size, args.max_seq_len)
     runner.warm_up()

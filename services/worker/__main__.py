@@ -11,7 +11,7 @@ from services.common.log import setup_logging
 from services.common.metrics import process_registry, serve_metrics_in_thread
 from services.common.supervisor import exit_with_supervisor
 from services.common.model_files import resolve_model
-from services.worker.backend import select_backend
+from services.worker.platforms import select_platform
 from services.worker.config import WorkerConfig
 from services.worker.model_runner import ModelRunner
 from services.worker.server import WorkerServicer
@@ -20,7 +20,7 @@ from stormserve.worker.v1 import worker_pb2, worker_pb2_grpc
 
 def load_runner(config: WorkerConfig) -> ModelRunner:
     """Blocking: pick the device, resolve and load the model, warm it up."""
-    backend = select_backend(config.device)
+    backend = select_platform(config.device)
     backend.set_num_threads(config.num_threads)
     runner = ModelRunner(
         resolve_model(config.model_path),

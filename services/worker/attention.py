@@ -24,11 +24,11 @@ transformers builds no [T, T] mask for it (attention_mask arrives as None).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 
-from services.worker.cpu_kernels import PagedAttention
 from services.worker.kv_cache import KVCachePool
 
 ATTENTION_NAME = "stormserve_paged"
@@ -59,12 +59,35 @@ class DecodeBatch:
 
 @dataclass(frozen=True)
 class StepSequences:
-    """The step's sequences as the native kernel reads them, one entry each."""
+    """The step's sequences, one entry each, on the host: what a kernel
+    prepares its per-step inputs from."""
 
-    block_tables: torch.Tensor  # [S, max_blocks], short tables padded with block 0
+    block_tables: torch.Tensor  # [S, max_blocks] int64, short tables padded with block 0
     starts: torch.Tensor  # [S] packed row of the sequence's first new token
     num_new: torch.Tensor  # [S] its new tokens
     context_lens: torch.Tensor  # [S] its context, new tokens included
+
+
+class AttentionKernel(Protocol):
+    """A platform's paged attention over one layer of the pool."""
+
+    def prepare(self, sequences: StepSequences, device: torch.device) -> Any:
+        """Once per step: the kernel's inputs for every layer of it, on `device`."""
+
+    def write_kv(self, key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor,
+                 value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """The step's new K/V [T, kv_heads, head_dim] into the layer's cache
+        [num_slots, kv_heads, head_dim] at `slot_mapping` [T]."""
+
+    def __call__(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, inputs: Any,
+                 block_size: int, scale: float, sliding_window: int | None) -> torch.Tensor:
+        """query [T, heads, head_dim] packed as the step lays rows out -> [T, heads, head_dim]."""
+
+
+def write_kv_by_slot(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     slot_mapping: torch.Tensor) -> None:
+    key_cache.index_copy_(0, slot_mapping, key)
+    value_cache.index_copy_(0, slot_mapping, value)
 
 
 @dataclass(frozen=True)
@@ -74,8 +97,8 @@ class PagedStep:
     pool: KVCachePool
     positions: torch.Tensor  # [T] position of every packed token
     slot_mapping: torch.Tensor  # [T] pool slot each new token's K/V is written to
-    kernel: PagedAttention | None  # None: the step attends through SDPA, as laid out below
-    sequences: StepSequences | None  # the kernel's view of the step; None without a kernel
+    kernel: AttentionKernel | None  # None: the step attends through SDPA, as laid out below
+    kernel_inputs: Any  # what kernel.prepare made of the step; None without a kernel
     prefills: tuple[PrefillChunk, ...]
     decode: DecodeBatch | None
 
@@ -90,7 +113,7 @@ def build_paged_step(
     num_computed_tokens: list[int],
     block_tables: list[list[int]],
     device: torch.device,
-    kernel: PagedAttention | None = None,
+    kernel: AttentionKernel | None = None,
 ) -> PagedStep:
     """Lay out one step: sequences in the given order, their new tokens back to back.
 
@@ -112,8 +135,8 @@ def build_paged_step(
     positions = torch.arange(int(new.sum())) - starts[seq_of_row] + computed[seq_of_row]
     slot_mapping = _slots(tables[seq_of_row], positions, block_size)
     if kernel is not None:
-        sequences = StepSequences(tables.to(device), starts.to(device), new.to(device), context.to(device))
-        return PagedStep(pool, positions.to(device), slot_mapping.to(device), kernel, sequences, (), None)
+        inputs = kernel.prepare(StepSequences(tables, starts, new, context), device)
+        return PagedStep(pool, positions.to(device), slot_mapping.to(device), kernel, inputs, (), None)
 
     prefills = []
     for i in range(num_seqs):
@@ -190,16 +213,13 @@ def paged_attention(
     """Write the step's new K/V into layer `layer` of the pool, attend; returns [T, heads, head_dim]."""
     key_cache = step.pool.key_cache[layer]  # [num_slots, kv_heads, head_dim]
     value_cache = step.pool.value_cache[layer]
-    key_cache.index_copy_(0, step.slot_mapping, key)
-    value_cache.index_copy_(0, step.slot_mapping, value)
-
     if step.kernel is not None:
-        seqs = step.sequences
-        assert seqs is not None  # built with the kernel
+        step.kernel.write_kv(key_cache, value_cache, key, value, step.slot_mapping)
         return step.kernel(
-            query, key_cache, value_cache, seqs.block_tables, seqs.starts, seqs.num_new, seqs.context_lens,
-            step.pool.spec.block_size, query.shape[-1] ** -0.5 if scaling is None else scaling, sliding_window,
+            query, key_cache, value_cache, step.kernel_inputs, step.pool.spec.block_size,
+            query.shape[-1] ** -0.5 if scaling is None else scaling, sliding_window,
         )
+    write_kv_by_slot(key_cache, value_cache, key, value, step.slot_mapping)
 
     gqa = query.shape[1] != key.shape[1]
     out = query.new_empty(query.shape)

@@ -7,8 +7,9 @@ classes are never built) and runs the same math with fewer ops: Q/K/V fused
 into one matmul, gate/up fused into one, the rotary table computed once per
 step, every linear prepared by the backend (on CPU packed for its bfloat16
 kernel or for oneDNN, residual adds fused into o_proj and down), and on CPU
-one-pass kernels for RMSNorm, rotary and SiLU-times-up (cpu_kernels.LayerOps;
-TorchLayerOps elsewhere). Attention is the same paged attention the HF path
+one-pass kernels for RMSNorm, rotary and SiLU-times-up (the platform's
+layer_ops: cpu_kernels.LayerOps, Ascend's fused ops, TorchLayerOps elsewhere).
+Attention is the same paged attention the HF path
 uses (attention.paged_attention).
 
 Models of other families, and RoPE variants whose frequencies change with the
@@ -25,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from services.worker.attention import PagedStep, paged_attention
-from services.worker.backend import Backend, Linear
+from services.worker.platforms import Linear, Platform
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # RoPE variants with fixed frequencies (transformers' names).
@@ -71,29 +72,6 @@ class _Layer:
     sliding_window: int | None
 
 
-class TorchLayerOps:
-    """RMSNorm, rotary embedding and SiLU-times-up in torch ops: on devices without
-    fused kernels, and the reference cpu_kernels.LayerOps is tested against."""
-
-    @staticmethod
-    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        # Accumulates in float32 and rounds once; HF rounds once more in bfloat16.
-        return F.rms_norm(x, x.shape[-1:], weight, eps=eps)
-
-    @staticmethod
-    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
-
-    @staticmethod
-    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [rows, heads, head_dim], cos and sin [rows, head_dim]; the rotated
-        heads (a new tensor here; the CPU kernel rotates x in place)."""
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos[:, None, :] + rotated * sin[:, None, :]
-
-
 class LeanDecoder:
     """Logits for a packed step, from the weights of a Llama-family checkpoint."""
 
@@ -106,7 +84,7 @@ class LeanDecoder:
             and _rope_parameters(config).get("rope_type", "default") in STATIC_ROPE_TYPES
         )
 
-    def __init__(self, config, weights: Mapping[str, torch.Tensor], backend: Backend):
+    def __init__(self, config, weights: Mapping[str, torch.Tensor], backend: Platform):
         """`weights`: the checkpoint's tensors by name, in the dtype and on the
         device to run (a Checkpoint, or a loaded model's state_dict)."""
         self.num_heads: int = config.num_attention_heads
@@ -121,12 +99,10 @@ class LeanDecoder:
         self.rotary = Rotary(config, self.head_dim)
         self.layers = [self._layer(weights, f"model.layers.{i}.", i, config, backend)
                        for i in range(config.num_hidden_layers)]
-        self.ops = backend.layer_ops(
-            self.embed.dtype, config.hidden_size, config.intermediate_size, self.head_dim
-        ) or TorchLayerOps()
+        self.ops = backend.layer_ops(self.embed.dtype, config.hidden_size, config.intermediate_size, self.head_dim)
 
     def _layer(self, weights: Mapping[str, torch.Tensor], prefix: str, index: int, config,
-               backend: Backend) -> _Layer:
+               backend: Platform) -> _Layer:
         attn, mlp = prefix + "self_attn.", prefix + "mlp."
         projections = [attn + name for name in ("q_proj", "k_proj", "v_proj")]
         qkv_bias = None

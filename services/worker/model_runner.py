@@ -25,7 +25,7 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from services.common.errors import invalid_argument
 from services.worker import attention, sampler
-from services.worker.backend import Backend, torch_dtype
+from services.worker.platforms import Platform, torch_dtype
 from services.worker.checkpoint import Checkpoint
 from services.worker.decoder import LeanDecoder
 from services.worker.guided import GrammarError, GuidedDecoding
@@ -126,7 +126,7 @@ def _return_freed_memory() -> None:
         pass
 
 
-def _load_hf_model(model_dir: Path, dtype: torch.dtype, backend: Backend) -> torch.nn.Module:
+def _load_hf_model(model_dir: Path, dtype: torch.dtype, backend: Platform) -> torch.nn.Module:
     """The model through transformers, paged attention plugged in: other
     families, and checkpoints without safetensors files."""
     from transformers import AutoModelForCausalLM
@@ -147,7 +147,7 @@ def _generation_config(model_dir: Path, config) -> GenerationConfig:
         return GenerationConfig.from_model_config(config)
 
 
-def auto_kv_budget(spec: KVCacheSpec, max_batch_size: int, max_seq_len: int, backend: Backend) -> int:
+def auto_kv_budget(spec: KVCacheSpec, max_batch_size: int, max_seq_len: int, backend: Platform) -> int:
     """Room for `max_batch_size` sequences of `max_seq_len` tokens, so that no
     request within the configured limits is ever preempted, but no more than
     the backend's share of the memory available now."""
@@ -169,7 +169,7 @@ class ModelRunner:
     def __init__(
         self,
         model_dir: Path,
-        backend: Backend,
+        backend: Platform,
         dtype: str,
         block_size: int,
         kv_cache_bytes: int,
@@ -207,7 +207,7 @@ class ModelRunner:
                 kv_cache_bytes = auto_kv_budget(spec, max_batch_size, max_seq_len, backend)
             self.kv_pool = KVCachePool.from_budget(spec, kv_cache_bytes, backend.device)
         self.attention_kernel = backend.paged_attention(
-            dtype_t, text_config.num_attention_heads, spec.num_kv_heads, spec.head_dim
+            dtype_t, text_config.num_attention_heads, spec.num_kv_heads, spec.head_dim, block_size
         )
         self.block_size = block_size
         self.sequences: dict[int, SequenceState] = {}

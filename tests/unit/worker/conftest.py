@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from services.common.model_files import default_model_path, resolve_model
-from services.worker.backend import select_backend
+from services.worker.platforms import select_platform
 from services.worker.model_runner import ModelRunner
 from tests.unit.worker.block_tables import BlockTables
 
@@ -25,7 +25,7 @@ def model_dir() -> Path:
 def runner(model_dir: Path) -> ModelRunner:
     return ModelRunner(
         model_dir,
-        select_backend("cpu"),
+        select_platform("cpu"),
         dtype="float32",
         block_size=TEST_BLOCK_SIZE,
         kv_cache_bytes=64 * 2**20,

@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from services.worker import cpu_kernels
-from services.worker.backend import cpu_computes_bfloat16, select_backend
+from services.worker.platforms import select_platform
+from services.worker.platforms.cpu import cpu_computes_bfloat16
 from services.worker.int4 import four_bit_codes, int4_linear, pack_for_torch
 
 
@@ -17,7 +18,7 @@ def test_prepared_linear_matches_f_linear(dtype: torch.dtype, rows: int, with_bi
     torch.manual_seed(rows)
     weight = torch.randn(96, 80, dtype=dtype)
     bias = torch.randn(96, dtype=dtype) if with_bias else None
-    linear = select_backend("cpu").linear(weight, bias)
+    linear = select_platform("cpu").linear(weight, bias)
     x = torch.randn(rows, 80, dtype=dtype)
     # bfloat16: both accumulate in float32 and round once; block order may differ.
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
@@ -85,7 +86,7 @@ def test_4bit_weights_give_the_same_products_on_either_kernel(rows: int):
     torch.manual_seed(rows)
     weight = _four_bit_weight(96, 128)
     bias = torch.randn(96)
-    linear = select_backend("cpu").linear(weight.bfloat16(), bias.bfloat16())
+    linear = select_platform("cpu").linear(weight.bfloat16(), bias.bfloat16())
     x = torch.randn(rows, 128)
     expected = F.linear(x, weight, bias)
     got = linear(x.bfloat16()).float()
@@ -119,7 +120,7 @@ def test_4bit_kernel_adds_bias_and_residual_and_rounds_once(rows: int, out_featu
 
 
 def test_auto_dtype_is_bfloat16_only_where_the_cpu_runs_it_fast():
-    cpu = select_backend("cpu")
+    cpu = select_platform("cpu")
     native = cpu_computes_bfloat16() or cpu_kernels.bfloat16_linear_available()
     assert cpu.resolve_dtype("auto") == ("bfloat16" if native else "float32")
     assert [cpu.resolve_dtype(name) for name in ("bfloat16", "float16", "float32")] == ["bfloat16", "float16", "float32"]

@@ -14,7 +14,7 @@ from services.scheduler.convert import to_sequences
 from services.scheduler.plan import WorkerCapacity
 from services.scheduler.policy import BatchPolicy
 from services.scheduler.worker_client import sampled_tokens, step_request
-from services.worker.backend import select_backend
+from services.worker.platforms import select_platform
 from services.worker.convert import step_from_proto, step_to_proto
 from services.worker.model_runner import ModelRunner
 from stormserve.scheduler.v1 import scheduler_pb2
@@ -23,7 +23,7 @@ from stormserve.scheduler.v1 import scheduler_pb2
 @pytest.fixture(scope="module")
 def beam_runner(model_dir) -> ModelRunner:
     # Its own pool: the policy hands out every block of it.
-    return ModelRunner(model_dir, select_backend("cpu"), dtype="float32", block_size=4,
+    return ModelRunner(model_dir, select_platform("cpu"), dtype="float32", block_size=4,
                        kv_cache_bytes=16 * 2**20, max_batch_size=16)
 
 

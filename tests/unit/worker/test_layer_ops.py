@@ -1,5 +1,5 @@
 """The one-pass CPU layer ops (cpu_kernels.LayerOps) equal the torch ops
-(decoder.TorchLayerOps) they replace, on the layouts the lean decoder hands
+(platforms.TorchLayerOps) they replace, on the layouts the lean decoder hands
 them: strided rows (views into the fused QKV output), decode-sized and
 prefill-sized row counts, and gate values far out in both tails."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from services.worker import cpu_kernels
-from services.worker.decoder import TorchLayerOps
+from services.worker.platforms import TorchLayerOps
 
 # Both compute in float32; bfloat16 results may differ by the final rounding
 # (the torch ops round between their passes, the kernels once).

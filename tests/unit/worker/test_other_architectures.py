@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-from services.worker.backend import select_backend
+from services.worker.platforms import select_platform
 from services.worker.decoder import LeanDecoder
 from services.worker.model_runner import ModelRunner
 from services.worker.sequence import SamplingParams
@@ -59,7 +59,7 @@ def test_tiny_model_paged_matches_hf(name: str, checkpoint_format: str, tmp_path
     config = CONFIGS[name]()
     config._attn_implementation = "eager"
     reference = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    runner = ModelRunner(_saved(reference, tmp_path, checkpoint_format), select_backend("cpu"), "float32",
+    runner = ModelRunner(_saved(reference, tmp_path, checkpoint_format), select_platform("cpu"), "float32",
                          block_size=4, kv_cache_bytes=2**20, max_batch_size=8)
 
     assert isinstance(runner.decoder, LeanDecoder) == (name not in HF_MODULES)

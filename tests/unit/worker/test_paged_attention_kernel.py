@@ -13,12 +13,13 @@ import torch
 
 from services.worker import attention, cpu_kernels
 from services.worker.kv_cache import KVCachePool, KVCacheSpec
+from services.worker.platforms.cpu import CpuAttention, CpuPlatform
 
 CPU = torch.device("cpu")
 
 
-def _kernel(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> cpu_kernels.PagedAttention:
-    kernel = cpu_kernels.paged_attention(dtype, heads, kv_heads, head_dim)
+def _kernel(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> CpuAttention:
+    kernel = CpuPlatform(CPU).paged_attention(dtype, heads, kv_heads, head_dim, block_size=16)
     assert kernel is not None, "no kernel: is a C compiler installed?"
     return kernel
 

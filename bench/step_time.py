@@ -1,0 +1,82 @@
+"""Time the worker's model steps alone (no scheduler, no gRPC): a prefill of
+one prompt and decode steps of a batch, on the bundled model, CPU.
+
+    PYTHONPATH=gen:. python -m bench.step_time --prefill-len 256 --batch 8 --context 200
+
+Prints one JSON object: per step kind the median and p90 in ms over `--reps`
+runs after warm-up. bench/step_ab.py runs it against two source trees in
+turn; it also runs on trees from before the platform objects (whose device
+seam was services/worker/backend.py).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from services.common.model_files import default_model_path, resolve_model
+from services.worker.model_runner import ModelRunner
+from services.worker.sequence import SamplingParams, SequenceInput
+
+try:
+    from services.worker.platforms import select_platform
+except ImportError:  # a tree from before the platform objects
+    from services.worker.backend import select_backend as select_platform
+
+
+def _ms(samples: list[float]) -> dict:
+    ordered = sorted(samples)
+    return {"median_ms": statistics.median(ordered) * 1e3, "p90_ms": ordered[int(0.9 * (len(ordered) - 1))] * 1e3}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--prefill-len", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=8, help="sequences per decode step")
+    parser.add_argument("--context", type=int, default=200, help="tokens each decoding sequence holds")
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--block-size", type=int, default=16)
+    args = parser.parse_args()
+
+    platform = select_platform("cpu")
+    runner = ModelRunner(resolve_model(default_model_path()), platform, platform.resolve_dtype(args.dtype),
+                         args.block_size, 256 * 2**20, max(args.batch, 1) + 1)
+    runner.warm_up()
+    greedy = SamplingParams(temperature=0.0)
+    blocks_per_seq = -(-(max(args.context, args.prefill_len) + args.reps + 2) // args.block_size)
+    tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(args.batch + 1)]
+    generator = torch.Generator().manual_seed(0)
+
+    def prompt(n: int) -> list[int]:
+        return torch.randint(0, runner.vocab_size, (n,), generator=generator).tolist()
+
+    prefill = []
+    for rep in range(args.reps + 1):
+        seq_id = 10_000 + rep
+        started = time.perf_counter()
+        runner.step([SequenceInput(seq_id, prompt(args.prefill_len), 0, True, greedy, tables[-1])])
+        if rep:  # the first is warm-up
+            prefill.append(time.perf_counter() - started)
+        runner.release(seq_id)
+
+    # Fill every decoding sequence's context, then time one decode step of all at a time.
+    first = runner.step([SequenceInput(i, prompt(args.context), 0, True, greedy, tables[i])
+                         for i in range(args.batch)])
+    last = {t.seq_id: t.token_id for t in first.tokens}
+    decode = []
+    for rep in range(args.reps + 1):
+        inputs = [SequenceInput(i, [last[i]], args.context + rep, True, None, tables[i]) for i in range(args.batch)]
+        started = time.perf_counter()
+        result = runner.step(inputs)
+        if rep:
+            decode.append(time.perf_counter() - started)
+        last = {t.seq_id: t.token_id for t in result.tokens}
+    print(json.dumps({"dtype": runner.dtype_name, "prefill": _ms(prefill), "decode": _ms(decode)}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""The device-independent part of a platform: the interface every device
+implements, and the plain-torch fallback of each operation.
+
+A platform owns, for one device kind: device selection and synchronisation,
+memory queries and the share of memory the KV pool may take, the dtype
+`auto` means, the KV block sizes its attention kernel accepts, the paged
+attention kernel (which also writes each step's K/V into the pool), the
+linears, the fused RMSNorm / rotary / SiLU-times-up ops, and the
+torch.distributed backend of its tensor-parallel group. Model code
+(decoder.py, attention.py) is device-agnostic torch and asks the platform.
+
+The KV pool (kv_cache.py) is [num_layers, num_slots, kv_heads, head_dim] per
+K and V, slot = block * block_size + offset: per layer, the same memory as
+the (num_blocks, block_size, kv_heads, head_dim) layout that Ascend's
+"Norm" cache mode and flash attention's paged KV read, so a kernel views it
+without a copy.
+"""
+from __future__ import annotations
+
+import os
+from typing import ClassVar, Protocol
+
+import torch
+import torch.nn.functional as F
+
+DTYPES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {name!r}; one of {sorted(DTYPES)}") from None
+
+
+class Linear(Protocol):
+    """x [..., in] -> x @ weight.T + bias [..., out], plus `residual` when given
+    (fused into the matmul where the device can)."""
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor: ...
+
+
+def plain_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+    weight = weight.detach()
+    bias = None if bias is None else bias.detach()
+
+    def linear(x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        y = F.linear(x, weight, bias)
+        return y if residual is None else y + residual
+
+    return linear
+
+
+class LayerOps(Protocol):
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor: ...
+
+
+class TorchLayerOps:
+    """RMSNorm, rotary embedding and SiLU-times-up in torch ops: on devices without
+    fused kernels, and the reference the fused ones are tested against."""
+
+    @staticmethod
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        # Accumulates in float32 and rounds once; HF rounds once more in bfloat16.
+        return F.rms_norm(x, x.shape[-1:], weight, eps=eps)
+
+    @staticmethod
+    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [rows, heads, head_dim], cos and sin [rows, head_dim]; the rotated
+        heads (a new tensor here; the CPU kernel rotates x in place)."""
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class Platform:
+    """One device kind. The defaults are plain torch: attention through
+    attention.py's SDPA path, F.linear, TorchLayerOps."""
+
+    name: ClassVar[str]
+    # torch.distributed backend of a tensor-parallel group on this device.
+    dist_backend: ClassVar[str]
+    # The share of `available_memory` an automatic KV budget may take: an
+    # accelerator's memory is the worker's (the reference uses 0.8 of NPU
+    # memory); a CPU's is shared with the rest of the machine.
+    kv_memory_fraction: ClassVar[float] = 0.8
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def synchronize(self) -> None:
+        """Wait for queued device work, so step timings measure the work itself."""
+
+    def available_memory(self) -> int:
+        """Bytes the KV pool may come out of now."""
+        raise NotImplementedError
+
+    def resolve_dtype(self, name: str) -> str:
+        """`auto` is bfloat16 on accelerators; any other name is returned as it is."""
+        return "bfloat16" if name == "auto" else name
+
+    def linear(self, weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+        """y = x @ weight.T + bias, prepared once for this device."""
+        return plain_linear(weight, bias)
+
+    def layer_ops(self, dtype: torch.dtype, hidden_size: int, intermediate_size: int, head_dim: int) -> LayerOps:
+        """This device's RMSNorm, rotary and SiLU-times-up for `dtype` and these sizes."""
+        return TorchLayerOps()
+
+    def paged_attention(self, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
+                        block_size: int):
+        """This device's paged-attention kernel (attention.AttentionKernel) for a
+        KV pool of `dtype`, this attention shape (the heads of this rank) and
+        block size; None means attention.py's SDPA path, also where the kernel
+        does not take this dtype or block size."""
+        return None
+
+    def set_device(self, local_rank: int) -> None:
+        """Bind this process to its device of the tensor-parallel group."""
+
+    def set_num_threads(self, num_threads: int) -> None:
+        if num_threads > 0:
+            torch.set_num_threads(num_threads)
+
+
+def host_available_memory() -> int:
+    """What Linux reports available (MemAvailable)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

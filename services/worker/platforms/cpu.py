@@ -1,0 +1,151 @@
+"""CPU: the native kernels (cpu_kernels.py) where a C compiler built them,
+oneDNN-prepacked linears otherwise, and gloo for tensor parallelism."""
+from __future__ import annotations
+
+import functools
+import os
+from typing import ClassVar
+
+import torch
+
+from services.worker import cpu_kernels, int4
+from services.worker.attention import StepSequences, write_kv_by_slot
+from services.worker.platforms.base import Linear, Platform, TorchLayerOps, host_available_memory, plain_linear
+
+# oneDNN and torch's ideep layer each keep every matmul primitive they build, one
+# per input row count, about 0.7 MiB each: left at their default of 1,024,
+# serving every step size from 1 to maxPrefillTokens + maxBatchSize rows would
+# grow the worker by hundreds of MiB over time. 256 holds what a steady load
+# reuses (at 32 streams no slower). Read at their first use; the operator's
+# own setting wins.
+for _cache in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
+    os.environ.setdefault(_cache, "256")
+
+
+def _add(y: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    return y if residual is None else y + residual
+
+
+# The batch size oneDNN lays packed weights out for; measured on a 2-core AVX-512
+# machine, packing for 32 rows serves 1 to 256 rows about as well as an exact hint.
+_PACKING_ROWS = 32
+# Up to this many rows, an exactly-4-bit weight runs on the int4 kernel (int4.py).
+# Beside oneDNN: whole decode steps of the bundled model measured 2.5 times
+# faster than bfloat16 at 1 row, 1.1 times at 8, and slower from about 10 rows
+# on. Beside the vdpbf16ps kernel (the bundled model's linears, 30 layers): 2.0
+# times faster at 1 row, 1.26 at 4, and 1.4 times slower from 5 rows on, where
+# the int4 kernel moves from 4-row to 1-row tiles.
+_INT4_MAX_ROWS = 8
+_INT4_MAX_ROWS_BESIDE_KERNEL = 4
+# On an AVX2 CPU, linear.c's 4-bit kernel beside its bfloat16 one (the bundled
+# model's linears, 30 layers and lm_head, weights read from memory, Zen 3 VM):
+# 11 against 19 ms at 1 row, 14 against 23 at 3, level at 4, slower from 5 rows
+# on, where it moves from 4-row to 1-row tiles.
+_Q4_MAX_ROWS = 4
+
+
+@functools.cache
+def cpu_computes_bfloat16() -> bool:
+    """Whether oneDNN has native bfloat16 kernels on this CPU (AVX-512 BW/VL/DQ,
+    AVX-512 BF16, AMX or AVX-NE-CONVERT). Without them bfloat16 matmuls are
+    emulated: 3.4 times slower than float32 at 32 rows on a 2-core AVX2 EPYC, and
+    the int4 kernel is 10 times slower than a float32 matmul there."""
+    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+class CpuAttention:
+    """The native paged-attention kernel as an attention.AttentionKernel."""
+
+    def __init__(self, kernel: cpu_kernels.PagedAttention):
+        self._kernel = kernel
+
+    def prepare(self, sequences: StepSequences, device: torch.device) -> StepSequences:
+        return sequences
+
+    write_kv = staticmethod(write_kv_by_slot)
+
+    def __call__(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                 inputs: StepSequences, block_size: int, scale: float, sliding_window: int | None) -> torch.Tensor:
+        return self._kernel(query, key_cache, value_cache, inputs.block_tables, inputs.starts, inputs.num_new,
+                            inputs.context_lens, block_size, scale, sliding_window)
+
+
+class CpuPlatform(Platform):
+    name: ClassVar[str] = "cpu"
+    dist_backend: ClassVar[str] = "gloo"
+    kv_memory_fraction: ClassVar[float] = 0.5
+
+    def available_memory(self) -> int:
+        return host_available_memory()
+
+    def resolve_dtype(self, name: str) -> str:
+        """`auto` is bfloat16 on CPUs that compute it natively or run the bfloat16
+        linear kernel (cpu_kernels.py), float32 on other CPUs."""
+        if name != "auto":
+            return name
+        if cpu_computes_bfloat16() or cpu_kernels.bfloat16_linear_available():
+            return "bfloat16"
+        return "float32"
+
+    def linear(self, weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+        """A bfloat16 weight runs on the bfloat16 linear kernel (cpu_kernels.py)
+        where the CPU has AVX512_BF16 and no AMX, or AVX2 and no AVX-512; otherwise
+        the weight is prepacked for oneDNN when it is float32, or bfloat16 on a CPU
+        that computes bfloat16 natively (AMX where the CPU has it). Plain matmuls
+        run 1.4 to 2.1 times slower at 1 to 32 rows: bfloat16 on an AVX-512 Xeon,
+        float32 on an AVX2 EPYC (the bundled model's linears).
+        A bfloat16 weight that is exactly 4-bit (from a Q4 GGUF) also gets a 4-bit
+        kernel for steps of a few rows (_INT4_MAX_ROWS*, _Q4_MAX_ROWS): torch's
+        int4 kernel on a CPU that computes bfloat16 natively, linear.c's on an
+        AVX2 CPU, where torch's is 10 times slower than a float32 matmul.
+        """
+        weight = weight.detach()
+        bias = None if bias is None else bias.detach()
+        # With AMX, oneDNN's tile kernels outrun anything built on vdpbf16ps.
+        packed_kernel = None if torch.cpu._is_amx_tile_supported() else cpu_kernels.packed_linear(weight, bias)
+        prepacks = weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and cpu_computes_bfloat16())
+        if packed_kernel is not None:
+            batched: Linear = packed_kernel
+            int4_max_rows = _INT4_MAX_ROWS_BESIDE_KERNEL
+        elif prepacks and torch.backends.mkldnn.is_available():
+            int4_max_rows = _INT4_MAX_ROWS
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACKING_ROWS)
+
+            def batched(x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+                if residual is None:
+                    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+                # The residual add as the matmul's epilogue: no extra pass over the activations.
+                return torch.ops.mkldnn._linear_pointwise.binary(x, residual, packed, bias, "add")
+        else:
+            return plain_linear(weight, bias)
+
+        native = cpu_computes_bfloat16()
+        exact_4bit = weight.dtype == torch.bfloat16 and (native or cpu_kernels.q4_linear_available())
+        four_bit = int4.four_bit_codes(weight) if exact_4bit else None
+        if four_bit is None:
+            return batched
+        if native:
+            torch_int4 = int4.pack_for_torch(*four_bit, weight.dtype)
+
+            def small(x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+                y = int4.int4_linear(x, *torch_int4)
+                return _add(y if bias is None else y + bias, residual)
+        else:
+            small = cpu_kernels.packed_q4_linear(*four_bit, bias)
+            int4_max_rows = _Q4_MAX_ROWS
+            if small is None:
+                return batched
+
+        def small_batch_int4(x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+            return batched(x, residual) if x.shape[0] > int4_max_rows else small(x, residual)
+
+        return small_batch_int4
+
+    def layer_ops(self, dtype: torch.dtype, hidden_size: int, intermediate_size: int, head_dim: int):
+        """The one-pass kernels where they take `dtype` and these sizes."""
+        return cpu_kernels.layer_ops(dtype, hidden_size, intermediate_size, head_dim) or TorchLayerOps()
+
+    def paged_attention(self, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
+                        block_size: int) -> CpuAttention | None:
+        kernel = cpu_kernels.paged_attention(dtype, num_heads, num_kv_heads, head_dim)
+        return None if kernel is None else CpuAttention(kernel)

@@ -1,0 +1,107 @@
+"""CUDA without vLLM: torch's own flash-attention varlen path over the paged pool.
+
+torch.nn.attention.varlen.varlen_attn (torch 2.13) takes the query packed
+[T, heads, head_dim] with cumulative starts (cu_seq_q), and with block_table
+[S, max_pages] int32 and seqused_k [S] int32 reads K/V from a pool of pages
+(num_pages, page_size, kv_heads, head_dim) — the per-layer view of our pool.
+It calls aten._flash_attention_forward, whose varlen entry (flash_api.cpp,
+mha_varlen_fwd) takes paged K/V only with a page size divisible by 256, and
+float16 / bfloat16 only (Ampere or newer); causal masks are aligned to the
+bottom right, so a prefill chunk over a cached prefix is one call with the
+decodes. Other pools attend through attention.py's SDPA path over gathered
+K/V, which is also the oracle the plumbing here is tested against (on CPU,
+with a reference of varlen_attn's semantics: tests/unit/worker/test_cuda_attention.py).
+
+Not exercised on a GPU in this repository.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from services.worker.attention import StepSequences, write_kv_by_slot
+from services.worker.platforms.base import Platform
+
+log = logging.getLogger(__name__)
+
+PAGE_SIZE_MULTIPLE = 256
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class VarlenInputs:
+    cu_seq_q: torch.Tensor  # [S + 1] int32: each sequence's first packed row, then T
+    cu_seq_k: torch.Tensor  # [S + 1] int32: the same over the contexts
+    seqused_k: torch.Tensor  # [S] int32: each context, new tokens included
+    block_table: torch.Tensor  # [S, max_pages] int32
+    max_q: int
+    max_k: int
+
+
+def _cumulative(lengths: torch.Tensor) -> torch.Tensor:
+    return torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)]).to(torch.int32)
+
+
+class VarlenAttention:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                 attend: Callable[..., torch.Tensor] | None = None):
+        """`attend`: varlen_attn's signature; torch's own unless given."""
+        if attend is None:
+            from torch.nn.attention.varlen import varlen_attn as attend
+        self._attend = attend
+        self._num_kv_heads, self._head_dim, self._block_size = num_kv_heads, head_dim, block_size
+        self._gqa = num_heads != num_kv_heads
+
+    def prepare(self, sequences: StepSequences, device: torch.device) -> VarlenInputs:
+        return VarlenInputs(
+            cu_seq_q=_cumulative(sequences.num_new).to(device),
+            cu_seq_k=_cumulative(sequences.context_lens).to(device),
+            seqused_k=sequences.context_lens.to(device=device, dtype=torch.int32),
+            block_table=sequences.block_tables.to(device=device, dtype=torch.int32),
+            max_q=int(sequences.num_new.max()),
+            max_k=int(sequences.context_lens.max()),
+        )
+
+    write_kv = staticmethod(write_kv_by_slot)
+
+    def __call__(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                 inputs: VarlenInputs, block_size: int, scale: float, sliding_window: int | None) -> torch.Tensor:
+        pages = (-1, self._block_size, self._num_kv_heads, self._head_dim)
+        # (-1, 0) is causal; (W - 1, 0) keeps the W keys up to each query's own.
+        window = (-1, 0) if sliding_window is None else (sliding_window - 1, 0)
+        return self._attend(
+            query, key_cache.view(pages), value_cache.view(pages), inputs.cu_seq_q, inputs.cu_seq_k,
+            inputs.max_q, inputs.max_k, scale=scale, window_size=window, enable_gqa=self._gqa,
+            seqused_k=inputs.seqused_k, block_table=inputs.block_table,
+        )
+
+
+def pages_fit(block_size: int, dtype: torch.dtype) -> bool:
+    """Whether flash attention's paged varlen path takes this pool."""
+    return block_size % PAGE_SIZE_MULTIPLE == 0 and dtype in FLASH_DTYPES
+
+
+class CudaPlatform(Platform):
+    name: ClassVar[str] = "cuda"
+    dist_backend: ClassVar[str] = "nccl"
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def available_memory(self) -> int:
+        return torch.cuda.mem_get_info(self.device)[0]
+
+    def set_device(self, local_rank: int) -> None:
+        torch.cuda.set_device(local_rank)
+
+    def paged_attention(self, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
+                        block_size: int) -> VarlenAttention | None:
+        if not pages_fit(block_size, dtype):
+            log.warning("flash attention pages %s pools by multiples of %d tokens; %s with %d-token blocks "
+                        "attends through SDPA", FLASH_DTYPES, PAGE_SIZE_MULTIPLE, dtype, block_size)
+            return None
+        return VarlenAttention(num_heads, num_kv_heads, head_dim, block_size)

@@ -26,7 +26,10 @@ class WorkerConfig:
         "auto", "weight and KV cache dtype: auto, bfloat16, float16 or float32 "
         "(auto: bfloat16, or float32 on a CPU without native bfloat16)",
     )
-    cache_block_size: int = setting(16, "tokens per KV cache block", alias="cacheBlockSize")
+    cache_block_size: int = setting(
+        16, "tokens per KV cache block (fused paged attention: 128 on NPU, a multiple of 256 on CUDA)",
+        alias="cacheBlockSize",
+    )
     kv_cache_mib: int = setting(
         0, "memory budget of the KV cache pool in MiB; 0 = room for maxBatchSize sequences of maxSeqLen "
         "tokens, within half the memory available at start (CPU) or 80 %% of the free device memory",
@@ -43,8 +46,8 @@ class WorkerConfig:
         require(self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}")
         require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         require(
-            1 <= self.cache_block_size <= 128,
-            f"cache_block_size must be in [1, 128], got {self.cache_block_size}",
+            1 <= self.cache_block_size <= 512,
+            f"cache_block_size must be in [1, 512], got {self.cache_block_size}",
         )
         require(self.kv_cache_mib >= 0, f"kv_cache_mib must be >= 0, got {self.kv_cache_mib}")
         require(self.max_seq_len >= 2, f"max_seq_len must be >= 2, got {self.max_seq_len}")

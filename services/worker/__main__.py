@@ -10,27 +10,22 @@ from services.common.grpc_server import GrpcService
 from services.common.log import setup_logging
 from services.common.metrics import process_registry, serve_metrics_in_thread
 from services.common.supervisor import exit_with_supervisor
-from services.common.model_files import resolve_model
-from services.worker.platforms import select_platform
 from services.worker.config import WorkerConfig
+from services.worker.follower import build_runner
 from services.worker.model_runner import ModelRunner
+from services.worker.parallel import TensorParallel
+from services.worker.platforms import select_platform
 from services.worker.server import WorkerServicer
 from stormserve.worker.v1 import worker_pb2, worker_pb2_grpc
 
 
 def load_runner(config: WorkerConfig) -> ModelRunner:
-    """Blocking: pick the device, resolve and load the model, warm it up."""
-    backend = select_platform(config.device)
-    backend.set_num_threads(config.num_threads)
-    runner = ModelRunner(
-        resolve_model(config.model_path),
-        backend,
-        dtype=backend.resolve_dtype(config.dtype),
-        block_size=config.cache_block_size,
-        kv_cache_bytes=config.kv_cache_mib * 2**20,
-        max_batch_size=config.max_batch_size,
-        max_seq_len=config.max_seq_len,
-    )
+    """Blocking: pick the device, start the other ranks of a tensor-parallel
+    group, resolve and load the model, warm it up."""
+    platform = select_platform(config.device)
+    platform.set_num_threads(config.num_threads)
+    group = TensorParallel.start(config, platform) if config.tensor_parallel_size > 1 else None
+    runner = build_runner(config, platform, group)
     runner.warm_up()
     return runner
 

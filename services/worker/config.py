@@ -38,6 +38,9 @@ class WorkerConfig:
     max_seq_len: int = setting(2560, "prompt + output cap in tokens (sizes the automatic KV budget)",
                                alias="maxSeqLen")
     num_threads: int = setting(0, "torch intra-op CPU threads; 0 = torch default")
+    tensor_parallel_size: int = setting(
+        1, "ranks (processes, one device each) the model is split over; rank 0 serves", alias="tensorParallelSize",
+    )
     drain_timeout_s: float = drain_timeout_setting()
 
     def __post_init__(self) -> None:
@@ -53,4 +56,5 @@ class WorkerConfig:
         require(self.max_seq_len >= 2, f"max_seq_len must be >= 2, got {self.max_seq_len}")
         require(self.max_batch_size >= 1, f"max_batch_size must be >= 1, got {self.max_batch_size}")
         require(self.num_threads >= 0, f"num_threads must be >= 0, got {self.num_threads}")
+        require(self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         check_drain_timeout(self.drain_timeout_s)

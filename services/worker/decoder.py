@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from services.worker.attention import PagedStep, paged_attention
+from services.worker.parallel import TensorParallel
 from services.worker.platforms import Linear, Platform
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -84,14 +85,23 @@ class LeanDecoder:
             and _rope_parameters(config).get("rope_type", "default") in STATIC_ROPE_TYPES
         )
 
-    def __init__(self, config, weights: Mapping[str, torch.Tensor], backend: Platform):
+    def __init__(self, config, weights: Mapping[str, torch.Tensor], backend: Platform,
+                 tensor_parallel: TensorParallel | None = None):
         """`weights`: the checkpoint's tensors by name, in the dtype and on the
-        device to run (a Checkpoint, or a loaded model's state_dict)."""
+        device to run (a Checkpoint, or a loaded model's state_dict).
+        `tensor_parallel`: this rank's group; it runs its shard (parallel.py)."""
         self.num_heads: int = config.num_attention_heads
         self.num_kv_heads: int = config.num_key_value_heads or self.num_heads
         self.eps: float = config.rms_norm_eps
         self.head_dim: int = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.scaling: float = self.head_dim ** -0.5
+        self.vocab_size: int = config.vocab_size
+        self.tp = tensor_parallel
+        intermediate_size = config.intermediate_size
+        if tensor_parallel is not None:
+            weights = tensor_parallel.shard_weights(weights, config)
+            self.num_heads, self.num_kv_heads = weights.heads.num_heads, weights.heads.num_kv_heads
+            intermediate_size = weights.mlp_rows[1] - weights.mlp_rows[0]
         self.embed = weights["model.embed_tokens.weight"]
         self.final_norm = weights["model.norm.weight"]
         lm_head = weights.get("lm_head.weight")
@@ -99,7 +109,7 @@ class LeanDecoder:
         self.rotary = Rotary(config, self.head_dim)
         self.layers = [self._layer(weights, f"model.layers.{i}.", i, config, backend)
                        for i in range(config.num_hidden_layers)]
-        self.ops = backend.layer_ops(self.embed.dtype, config.hidden_size, config.intermediate_size, self.head_dim)
+        self.ops = backend.layer_ops(self.embed.dtype, config.hidden_size, intermediate_size, self.head_dim)
 
     def _layer(self, weights: Mapping[str, torch.Tensor], prefix: str, index: int, config,
                backend: Platform) -> _Layer:
@@ -112,6 +122,7 @@ class LeanDecoder:
         if attn + "q_norm.weight" in weights:
             qk_norm = torch.cat([weights[attn + "q_norm.weight"].expand(self.num_heads, -1),
                                  weights[attn + "k_norm.weight"].expand(self.num_kv_heads, -1)])
+        row_parallel = (lambda linear: linear) if self.tp is None else self.tp.row_parallel
         window = None
         layer_types = getattr(config, "layer_types", None)
         if config.model_type == "mistral" or (layer_types and layer_types[index] == "sliding_attention"):
@@ -120,17 +131,17 @@ class LeanDecoder:
             input_norm=weights[prefix + "input_layernorm.weight"],
             qkv=backend.linear(torch.cat([weights[p + ".weight"] for p in projections]), qkv_bias),
             qk_norm=qk_norm,
-            o_proj=backend.linear(weights[attn + "o_proj.weight"], weights.get(attn + "o_proj.bias")),
+            o_proj=row_parallel(backend.linear(weights[attn + "o_proj.weight"], weights.get(attn + "o_proj.bias"))),
             post_attention_norm=weights[prefix + "post_attention_layernorm.weight"],
             gate_up=backend.linear(torch.cat([weights[mlp + "gate_proj.weight"], weights[mlp + "up_proj.weight"]]),
                                    None),
-            down=backend.linear(weights[mlp + "down_proj.weight"], None),
+            down=row_parallel(backend.linear(weights[mlp + "down_proj.weight"], None)),
             sliding_window=window,
         )
 
     def __call__(self, input_ids: torch.Tensor, step: PagedStep, logit_rows: torch.Tensor) -> torch.Tensor:
         """input_ids [T] packed as `step` lays them out; logits [len(logit_rows), vocab]."""
-        x = self.embed[input_ids]  # [T, hidden]
+        x = self.embed[input_ids] if self.tp is None else self.tp.embed(self.embed, input_ids)  # [T, hidden]
         cos, sin = self.rotary(step.positions, x.dtype)  # [T, head_dim]
         ops = self.ops
         num_q = self.num_heads * self.head_dim
@@ -152,4 +163,5 @@ class LeanDecoder:
             x = layer.o_proj(o.view(-1, num_q), residual=x)
             h = ops.rms_norm(x, layer.post_attention_norm, self.eps)
             x = layer.down(ops.silu_mul(layer.gate_up(h)), residual=x)
-        return self.lm_head(ops.rms_norm(x, self.final_norm, self.eps))
+        logits = self.lm_head(ops.rms_norm(x, self.final_norm, self.eps))
+        return logits if self.tp is None else self.tp.gather_vocab(logits, self.vocab_size)

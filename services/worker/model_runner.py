@@ -30,6 +30,7 @@ from services.worker.checkpoint import Checkpoint
 from services.worker.decoder import LeanDecoder
 from services.worker.guided import GrammarError, GuidedDecoding
 from services.worker.kv_cache import KVCachePool, KVCacheSpec
+from services.worker.parallel import TensorParallel
 from services.worker.penalties import apply_penalties
 from services.worker.sequence import SampledToken, SamplingParams, SequenceInput, StepResult
 
@@ -175,8 +176,10 @@ class ModelRunner:
         kv_cache_bytes: int,
         max_batch_size: int,
         max_seq_len: int = 2560,
+        tensor_parallel: TensorParallel | None = None,
     ):
-        """`kv_cache_bytes` 0: an automatic budget (auto_kv_budget)."""
+        """`kv_cache_bytes` 0: an automatic budget (auto_kv_budget); per rank of
+        `tensor_parallel`, the group this runner is one rank of (parallel.py)."""
         self.model_dir = model_dir
         self.backend = backend
         self.dtype_name = dtype
@@ -187,13 +190,17 @@ class ModelRunner:
         text_config = self.config.get_text_config()
         architecture = (getattr(self.config, "architectures", None) or [self.config.model_type])[0]
         lean = LeanDecoder.supports(self.config)
+        if tensor_parallel is not None and not lean:
+            raise ValueError(f"tensor parallelism runs the lean Llama-family path only, not {architecture}")
+        self.tensor_parallel = tensor_parallel
         with torch.inference_mode():
             if lean and Checkpoint.available(model_dir):
                 self.decoder: Decoder = LeanDecoder(self.config, Checkpoint(model_dir, dtype_t, backend.device),
-                                                    backend)
+                                                    backend, tensor_parallel)
             else:
                 model = _load_hf_model(model_dir, dtype_t, backend)
-                self.decoder = LeanDecoder(self.config, model.state_dict(), backend) if lean else _hf_decoder(model)
+                self.decoder = (LeanDecoder(self.config, model.state_dict(), backend, tensor_parallel) if lean
+                                else _hf_decoder(model))
                 del model  # the lean decoder holds every weight it needs; the HF modules go
         self.generation_config = _generation_config(model_dir, self.config)
         self.vocab_size: int = int(text_config.vocab_size)
@@ -201,14 +208,20 @@ class ModelRunner:
         _return_freed_memory()  # conversion copies, before the pool takes its share
         with torch.inference_mode():
             spec = KVCacheSpec.from_model_config(self.config, block_size, dtype_t)
+            num_heads = text_config.num_attention_heads
+            if tensor_parallel is not None:  # this rank's heads and their share of the pool
+                num_heads, num_kv_heads = self.decoder.num_heads, self.decoder.num_kv_heads
+                spec = dataclasses.replace(spec, num_kv_heads=num_kv_heads)
             if kv_cache_bytes == 0:
                 if self.max_position_embeddings:
                     max_seq_len = min(max_seq_len, self.max_position_embeddings)
                 kv_cache_bytes = auto_kv_budget(spec, max_batch_size, max_seq_len, backend)
-            self.kv_pool = KVCachePool.from_budget(spec, kv_cache_bytes, backend.device)
-        self.attention_kernel = backend.paged_attention(
-            dtype_t, text_config.num_attention_heads, spec.num_kv_heads, spec.head_dim, block_size
-        )
+            num_blocks = spec.num_blocks_for(kv_cache_bytes)
+            if tensor_parallel is not None:  # one block id means the same tokens on every rank
+                num_blocks = tensor_parallel.min_over_ranks(num_blocks)
+            self.kv_pool = KVCachePool(spec, num_blocks, backend.device)
+        self.attention_kernel = backend.paged_attention(dtype_t, num_heads, spec.num_kv_heads, spec.head_dim,
+                                                        block_size)
         self.block_size = block_size
         self.sequences: dict[int, SequenceState] = {}
         self._guided: GuidedDecoding | None = None  # built on the first grammar request
@@ -257,6 +270,9 @@ class ModelRunner:
         for seq_id in release_seq_ids:
             self.release(seq_id)
         inputs = [self._resolve_last_sampled(s) for s in inputs]
+        if self.tensor_parallel is not None:
+            self._validate(inputs)  # a step refused here never reaches the other ranks
+            self.tensor_parallel.lead(inputs, block_copies)
         self.kv_pool.copy_blocks(list(block_copies))
         tokens: list[SampledToken] = []
         if inputs:
@@ -269,6 +285,14 @@ class ModelRunner:
         if elapsed >= _TRIM_AFTER_SECONDS:
             _return_freed_memory()
         return StepResult(tokens, int(elapsed * 1e6))
+
+    @torch.inference_mode()
+    def follow(self, inputs: list[SequenceInput], block_copies: Sequence[tuple[int, int]]) -> None:
+        """A follower rank's part of a step rank 0 validated: the copies and the
+        forward (its shard, and the collectives); no state, no sampling."""
+        self.kv_pool.copy_blocks(list(block_copies))
+        if inputs:
+            self._run_model(inputs)
 
     @torch.inference_mode()
     def forward(self, inputs: list[SequenceInput]) -> torch.Tensor:

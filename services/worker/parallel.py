@@ -1,0 +1,298 @@
+"""Tensor parallelism: one worker as a group of ranks, one process per device.
+
+Rank 0 is the worker the scheduler sees: it serves WorkerService, validates
+each step, sends it to the other ranks (the followers, services/worker/follower.py)
+and samples once the step's logits are gathered. Every rank runs the same
+forward on its shard of the model, in lockstep:
+
+- Q/K/V and gate/up are column-parallel (each rank computes its heads and its
+  slice of the MLP), o_proj and down row-parallel with one all-reduce each
+  (rank 0 adds the residual, so the sum holds it once);
+- KV heads, and so the KV pool, are split by KV-head groups: a rank holds
+  whole groups (its KV heads and the query heads that read them), as evenly as
+  the group count allows (the bundled model's 3 groups on 2 ranks: 2 and 1);
+- the embedding and lm_head are vocabulary-parallel: each rank holds a slice
+  of the rows (zero-padded to equal slices); lookups outside it give zeros and
+  one all-reduce completes the hidden states; one all-gather the logits.
+
+Steps travel over a plain socket per follower (multiprocessing.connection),
+not a torch.distributed broadcast: a follower waits for the next step as long
+as the worker is idle, which a collective's timeout would not allow. Tensors
+move by torch.distributed on the platform's backend (gloo, NCCL, HCCL).
+
+A rank that dies ends the group: rank 0 exits (a watcher sees the process go;
+a collective with a dead peer fails the step first where the backend notices),
+the scheduler fails the sequences it ran with its worker-lost error, and the
+supervisor (or Kubernetes) starts the group again. Followers get SIGTERM when
+rank 0 goes. One host: every rank of a group runs where rank 0 runs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import pickle
+import secrets
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import Client, Connection, Listener
+
+import torch
+import torch.distributed as dist
+
+from services.common.supervisor import SUPERVISOR_PID_ENV, exit_reason, free_port
+from services.worker.platforms import Platform
+from services.worker.sequence import SequenceInput
+
+log = logging.getLogger(__name__)
+
+# How often rank 0 looks for a follower that exited.
+WATCH_POLL_S = 0.2
+# Followers load the model beside rank 0; this long to connect.
+JOIN_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class HeadShard:
+    """The attention heads of one rank: whole KV-head groups."""
+
+    first_kv_head: int
+    num_kv_heads: int
+    first_head: int
+    num_heads: int
+
+
+def balanced_range(total: int, parts: int, index: int) -> tuple[int, int]:
+    """[start, end) of part `index` when `total` items split into `parts` parts
+    as evenly as possible (the first ones one larger)."""
+    base, extra = divmod(total, parts)
+    start = index * base + min(index, extra)
+    return start, start + base + (index < extra)
+
+
+def config_flags(config) -> list[str]:
+    """A config dataclass as the flags that give it back (load_config)."""
+    return [item for f in dataclasses.fields(config)
+            for item in (f"--{f.name.replace('_', '-')}", str(getattr(config, f.name)))]
+
+
+class TensorParallel:
+    """This rank's place in the group, its shards, and the group's collectives."""
+
+    def __init__(self, rank: int, world_size: int, platform: Platform, dist_port: int):
+        self.rank, self.world_size = rank, world_size
+        self.platform = platform
+        dist.init_process_group(backend=platform.dist_backend, init_method=f"tcp://127.0.0.1:{dist_port}",
+                                rank=rank, world_size=world_size, timeout=timedelta(minutes=10))
+        self._followers: list[Connection] = []  # rank 0: one per follower, by rank
+        self._processes: list[subprocess.Popen] = []
+        self._leader: Connection | None = None  # a follower: its connection to rank 0
+
+    # --- starting the group ---------------------------------------------------
+
+    @classmethod
+    def start(cls, config, platform: Platform) -> TensorParallel:
+        """Rank 0: start the followers with `config`, join them."""
+        world_size = config.tensor_parallel_size
+        authkey = secrets.token_bytes(16)
+        listener = Listener(("127.0.0.1", 0), authkey=authkey)
+        dist_port = free_port()
+        env = {**os.environ, SUPERVISOR_PID_ENV: str(os.getpid()), "STORMSERVE_TP_AUTHKEY": authkey.hex()}
+        processes = [
+            subprocess.Popen([sys.executable, "-m", "services.worker.follower", "--tp-rank", str(rank),
+                              "--tp-leader", f"{listener.address[0]}:{listener.address[1]}",
+                              "--tp-dist-port", str(dist_port), *config_flags(config)], env=env)
+            for rank in range(1, world_size)
+        ]
+        connections: dict[int, Connection] = {}
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        while len(connections) < world_size - 1:
+            if time.monotonic() > deadline or any(p.poll() is not None for p in processes):
+                for p in processes:
+                    p.kill()
+                raise RuntimeError("a tensor-parallel rank failed to start (see its log above)")
+            connection = listener.accept()
+            connections[connection.recv()] = connection
+        listener.close()
+        group = cls(0, world_size, platform, dist_port)
+        group._followers = [connections[r] for r in range(1, world_size)]
+        group._processes = processes
+        threading.Thread(target=group._watch, name="tp-watch", daemon=True).start()
+        log.info("tensor-parallel group of %d ranks (%s)", world_size, platform.dist_backend)
+        return group
+
+    @classmethod
+    def join(cls, rank: int, world_size: int, leader: str, dist_port: int, platform: Platform) -> TensorParallel:
+        """A follower: connect to rank 0, join the group."""
+        host, port = leader.rsplit(":", 1)
+        connection = Client((host, int(port)), authkey=bytes.fromhex(os.environ.pop("STORMSERVE_TP_AUTHKEY")))
+        connection.send(rank)
+        group = cls(rank, world_size, platform, dist_port)
+        group._leader = connection
+        return group
+
+    def _watch(self) -> None:
+        while True:
+            for rank, process in enumerate(self._processes, start=1):
+                if process.poll() is not None:
+                    self.lost(f"tensor-parallel rank {rank} {exit_reason(process.returncode)}")
+            time.sleep(WATCH_POLL_S)
+
+    def lost(self, reason: str) -> None:
+        """The group cannot run another step: rank 0 goes, so its sequences fail
+        as a lost worker's do and the group is started again."""
+        log.critical("%s: the tensor-parallel group cannot go on; exiting", reason)
+        logging.shutdown()
+        os._exit(1)
+
+    def close(self) -> None:
+        """Rank 0: end the followers (their step channel closes) and leave the group."""
+        for connection in self._followers:
+            connection.close()
+        self._processes, processes = [], self._processes  # the watcher stops looking
+        for process in processes:
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+        dist.destroy_process_group()
+
+    # --- steps ----------------------------------------------------------------
+
+    def lead(self, inputs: list[SequenceInput], block_copies: Sequence[tuple[int, int]]) -> None:
+        """Rank 0: send a validated step to every follower."""
+        # Followers run the forward only: they need no sampling settings.
+        payload = pickle.dumps(([dataclasses.replace(s, sampling=None) for s in inputs], list(block_copies)))
+        for rank, connection in enumerate(self._followers, start=1):
+            try:
+                connection.send_bytes(payload)
+            except OSError as exc:
+                self.lost(f"tensor-parallel rank {rank} is unreachable ({exc})")
+
+    def steps(self) -> Iterator[tuple[list[SequenceInput], list[tuple[int, int]]]]:
+        """A follower: each step rank 0 sends, until it closes the channel."""
+        assert self._leader is not None
+        while True:
+            try:
+                payload = self._leader.recv_bytes()
+            except (EOFError, OSError):
+                return
+            yield pickle.loads(payload)
+
+    # --- shards ---------------------------------------------------------------
+
+    def head_shard(self, num_heads: int, num_kv_heads: int) -> HeadShard:
+        if num_kv_heads < self.world_size:
+            raise ValueError(f"tensor parallelism splits KV heads: {num_kv_heads} cannot go to "
+                             f"{self.world_size} ranks")
+        first, end = balanced_range(num_kv_heads, self.world_size, self.rank)
+        group = num_heads // num_kv_heads
+        return HeadShard(first, end - first, first * group, (end - first) * group)
+
+    def rows(self, total: int) -> tuple[int, int]:
+        """This rank's slice of a column-parallel dimension (the MLP's)."""
+        return balanced_range(total, self.world_size, self.rank)
+
+    def vocab_rows(self, vocab_size: int) -> tuple[int, int]:
+        """This rank's rows of the vocabulary, equal slices (the last padded)."""
+        per_rank = -(-vocab_size // self.world_size)
+        return self.rank * per_rank, (self.rank + 1) * per_rank
+
+    def shard_weights(self, weights: Mapping[str, torch.Tensor], config) -> ShardedWeights:
+        return ShardedWeights(weights, self, config)
+
+    # --- collectives ----------------------------------------------------------
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(x)
+        return x
+
+    def row_parallel(self, linear):
+        """A row-parallel linear: partial products summed over the ranks, the
+        residual (fused into rank 0's matmul where the platform can) added once."""
+        first = self.rank == 0
+
+        def forward(x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+            return self.all_reduce(linear(x, residual if first else None))
+
+        return forward
+
+    def embed(self, table: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """Vocabulary-parallel lookup: this rank's rows, zeros elsewhere, summed."""
+        start = self.rank * table.shape[0]
+        local = input_ids - start
+        mine = (local >= 0) & (local < table.shape[0])
+        x = table[local.clamp(0, table.shape[0] - 1)] * mine[:, None].to(table.dtype)
+        return self.all_reduce(x)
+
+    def gather_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """Every rank's slice of the logits, side by side, padding dropped."""
+        parts = [torch.empty_like(logits) for _ in range(self.world_size)]
+        dist.all_gather(parts, logits.contiguous())
+        return torch.cat(parts, dim=-1)[..., :vocab_size]
+
+    def min_over_ranks(self, value: int) -> int:
+        t = torch.tensor([value], dtype=torch.int64, device=self.platform.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return int(t.item())
+
+
+class ShardedWeights(Mapping):
+    """A checkpoint's tensors as this rank holds them (see the module doc)."""
+
+    def __init__(self, weights: Mapping[str, torch.Tensor], group: TensorParallel, config):
+        self._weights, self._group = weights, group
+        num_heads = config.num_attention_heads
+        num_kv_heads = config.num_key_value_heads or num_heads
+        self._head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        self.heads = group.head_shard(num_heads, num_kv_heads)
+        self.mlp_rows = group.rows(config.intermediate_size)
+        self.vocab_rows = group.vocab_rows(config.vocab_size)
+
+    def __iter__(self):
+        return iter(self._weights)
+
+    def __len__(self) -> int:
+        return len(self._weights)
+
+    def __contains__(self, name) -> bool:
+        return name in self._weights and self._shard(name) is not None
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        shard = self._shard(name)
+        if shard is None:
+            raise KeyError(name)
+        return shard
+
+    def _shard(self, name: str) -> torch.Tensor | None:
+        tensor = self._weights[name]
+        heads, dim = self.heads, self._head_dim
+        q_rows = (heads.first_head * dim, (heads.first_head + heads.num_heads) * dim)
+        kv_rows = (heads.first_kv_head * dim, (heads.first_kv_head + heads.num_kv_heads) * dim)
+        if name.endswith(("q_proj.weight", "q_proj.bias")):
+            return _slice(tensor, 0, q_rows)
+        if name.endswith(("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")):
+            return _slice(tensor, 0, kv_rows)
+        if name.endswith("o_proj.weight"):
+            return _slice(tensor, 1, q_rows)
+        if name.endswith(("o_proj.bias", "down_proj.bias")):
+            return tensor if self._group.rank == 0 else None  # added once
+        if name.endswith(("gate_proj.weight", "up_proj.weight")):
+            return _slice(tensor, 0, self.mlp_rows)
+        if name.endswith("down_proj.weight"):
+            return _slice(tensor, 1, self.mlp_rows)
+        if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+            start, end = self.vocab_rows
+            rows = tensor[start:end]
+            padding = (end - start) - rows.shape[0]
+            return torch.cat([rows, rows.new_zeros(padding, rows.shape[1])]) if padding else rows.clone()
+        return tensor  # norms: every rank holds them whole
+
+
+def _slice(tensor: torch.Tensor, dim: int, rows: tuple[int, int]) -> torch.Tensor:
+    return tensor.narrow(dim, rows[0], rows[1] - rows[0]).clone()

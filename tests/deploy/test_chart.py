@@ -500,6 +500,16 @@ def test_accelerators():
     limits = workers["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
     assert limits["huawei.com/Ascend310P"] == 4 and "huawei.com/Ascend910" not in limits
 
+    # A tensor-parallel worker: one device per rank, the ranks in the worker's config.
+    with helm.Chart.load(CHART) as chart:
+        text = chart.render({"worker": {"accelerator": "npu", "tensorParallelSize": 8}}, name=RELEASE,
+                            namespace=NAMESPACE)
+    objects = [o for path, t in text.items() if path.endswith(".yaml") for o in yaml.safe_load_all(t) if o]
+    (workers,) = [o for o in objects if o.get("kind") == "StatefulSet"]
+    c = workers["spec"]["template"]["spec"]["containers"][0]
+    assert c["resources"]["limits"]["huawei.com/Ascend910"] == c["resources"]["requests"]["huawei.com/Ascend910"] == 8
+    assert load_config(WorkerConfig, [], container_env(objects, c)).tensor_parallel_size == 8
+
 
 # ---- scaling, disruption, network -------------------------------------------
 

@@ -235,13 +235,13 @@ livenessProbe:
 {{- end -}}
 {{- end -}}
 
-{{/* A component's resources; a cuda or npu worker's also request its accelerator (requests = limits, as extended resources need). */}}
+{{/* A component's resources; a cuda or npu worker's also request its accelerator, count per rank times its ranks (requests = limits, as extended resources need). */}}
 {{- define "stormserve.resources" -}}
 {{- $resources := deepCopy (index .root.Values .component).resources -}}
 {{- if eq .component "worker" -}}
 {{- $name := include "stormserve.acceleratorResource" .root -}}
 {{- if $name -}}
-{{- $count := .root.Values.worker.acceleratorResource.count -}}
+{{- $count := mul .root.Values.worker.acceleratorResource.count .root.Values.worker.tensorParallelSize -}}
 {{- $_ := set $resources "requests" (set (default (dict) $resources.requests) $name $count) -}}
 {{- $_ := set $resources "limits" (set (default (dict) $resources.limits) $name $count) -}}
 {{- end -}}

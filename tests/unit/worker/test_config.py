@@ -28,7 +28,8 @@ def test_aliases_flags_and_environment():
     "kwargs",
     [
         {"cache_block_size": 0},
-        {"cache_block_size": 129},
+        {"cache_block_size": 513},
+        {"tensor_parallel_size": 0},
         {"dtype": "int8"},
         {"device": "tpu"},
         {"kv_cache_mib": -1},

@@ -2,15 +2,19 @@
 process per tree per round, trees alternating (the order flips every round),
 so load from others on a shared machine falls on both sides alike. Prints
 per tree the median over rounds of each step kind's median and p90, and each
-tree's ratio to the first.
+tree's ratio to the first. A tree may carry step_time flags of its own after
+its path (the same tree twice compares settings):
 
     .venv/bin/python -m bench.step_ab --tree before=/path/to/main --tree after=. --rounds 6
+    .venv/bin/python -m bench.step_ab --tree "tp1=. --num-threads 2" \
+        --tree "tp2=. --tensor-parallel-size 2 --num-threads 1"
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -29,15 +33,17 @@ def run(tree: Path, extra: list[str]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tree", action="append", required=True, help="name=path, two or more")
+    parser.add_argument("--tree", action="append", required=True,
+                        help="name=path [step_time flags], two or more")
     parser.add_argument("--rounds", type=int, default=6)
     args, extra = parser.parse_known_args()
-    trees = {name: Path(path).resolve() for name, path in (t.split("=", 1) for t in args.tree)}
+    trees = {name: shlex.split(spec) for name, spec in (t.split("=", 1) for t in args.tree)}
     results: dict[str, list[dict]] = {name: [] for name in trees}
     for round_index in range(args.rounds):
         order = list(trees) if round_index % 2 == 0 else list(reversed(trees))
         for name in order:
-            results[name].append(run(trees[name], extra))
+            path, *own = trees[name]
+            results[name].append(run(Path(path).resolve(), [*extra, *own]))
             print(f"round {round_index + 1} {name}: {results[name][-1]}", file=sys.stderr, flush=True)
     first = next(iter(trees))
     summary = {}

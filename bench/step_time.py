@@ -6,7 +6,9 @@ one prompt and decode steps of a batch, on the bundled model, CPU.
 Prints one JSON object: per step kind the median and p90 in ms over `--reps`
 runs after warm-up. bench/step_ab.py runs it against two source trees in
 turn; it also runs on trees from before the platform objects (whose device
-seam was services/worker/backend.py).
+seam was services/worker/backend.py). `--tensor-parallel-size N` runs the
+steps on a group of N ranks, this process rank 0 (parallel.py), each rank
+on `--num-threads` threads.
 """
 from __future__ import annotations
 
@@ -40,11 +42,26 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=200, help="tokens each decoding sequence holds")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--num-threads", type=int, default=0, help="torch threads per rank; 0 = torch default")
     args = parser.parse_args()
 
     platform = select_platform("cpu")
-    runner = ModelRunner(resolve_model(default_model_path()), platform, platform.resolve_dtype(args.dtype),
-                         args.block_size, 256 * 2**20, max(args.batch, 1) + 1)
+    platform.set_num_threads(args.num_threads)
+    if args.tensor_parallel_size > 1:
+        from services.common.config import load_config
+        from services.worker.config import WorkerConfig
+        from services.worker.follower import build_runner
+        from services.worker.parallel import TensorParallel
+
+        config = load_config(WorkerConfig, environ={}, argv=[
+            "--device", "cpu", "--dtype", args.dtype, "--cache-block-size", str(args.block_size),
+            "--kv-cache-mib", "256", "--max-batch-size", str(args.batch + 1), "--num-threads", str(args.num_threads),
+            "--tensor-parallel-size", str(args.tensor_parallel_size)])
+        runner = build_runner(config, platform, TensorParallel.start(config, platform))
+    else:
+        runner = ModelRunner(resolve_model(default_model_path()), platform, platform.resolve_dtype(args.dtype),
+                             args.block_size, 256 * 2**20, max(args.batch, 1) + 1)
     runner.warm_up()
     greedy = SamplingParams(temperature=0.0)
     blocks_per_seq = -(-(max(args.context, args.prefill_len) + args.reps + 2) // args.block_size)

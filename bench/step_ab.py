@@ -1,8 +1,9 @@
 """bench.step_time against two or more source trees, interleaved: one fresh
 process per tree per round, trees alternating (the order flips every round),
 so load from others on a shared machine falls on both sides alike. Prints
-per tree the median over rounds of each step kind's median and p90, and each
-tree's ratio to the first. A tree may carry step_time flags of its own after
+per tree the median over rounds of each step kind's median and p90, and the
+median over rounds of its ratio to the first tree in the same round (the
+pair ran back to back: the ratio is what interleaving makes meaningful). A tree may carry step_time flags of its own after
 its path (the same tree twice compares settings):
 
     .venv/bin/python -m bench.step_ab --tree before=/path/to/main --tree after=. --rounds 6
@@ -51,7 +52,8 @@ def main() -> None:
         summary[name] = {kind: {stat: statistics.median(r[kind][stat] for r in rounds)
                                 for stat in ("median_ms", "p90_ms")} for kind in ("prefill", "decode")}
     for name, figures in summary.items():
-        ratios = {kind: figures[kind]["median_ms"] / summary[first][kind]["median_ms"] for kind in figures}
+        ratios = {kind: statistics.median(r[kind]["median_ms"] / f[kind]["median_ms"]
+                                          for r, f in zip(results[name], results[first])) for kind in figures}
         print(f"{name}: " + ", ".join(
             f"{kind} median {f['median_ms']:.2f} ms p90 {f['p90_ms']:.2f} ms (x{ratios[kind]:.3f} of {first})"
             for kind, f in figures.items()))

@@ -64,6 +64,9 @@ def create_app(config: EdgeConfig, backend: ChatBackend | None = None) -> FastAP
         docs_url=None,
         redoc_url=None,
         openapi_url=None,
+        # The request's server span is ObserveMiddleware's (observe.py), which wraps the
+        # whole reply, refusals included; FastAPI's own would be a second one.
+        telemetry={"tracing": False},
     )
     app.state.config = config
     app.state.backend = backend

@@ -73,6 +73,7 @@ class BeamSteps:
             sampling=parent.sampling,
             stopping=parent.stopping,
             arrival_us=parent.arrival_us,
+            traceparent=parent.traceparent,
             output_token_ids=parent.output_token_ids + [c.token_id],
             status=SequenceStatus.RUNNING,
             last_event_us=parent.last_event_us,

@@ -121,6 +121,8 @@ class Sequence:
     # Request timing for the metrics (0 = not yet): first admitted to a batch, first token out.
     first_scheduled_us: int = 0
     first_token_us: int = 0
+    # With tracing on: the W3C traceparent of the request's span, sent to the worker.
+    traceparent: str = ""
 
     def __post_init__(self) -> None:
         self.last_event_us = self.last_event_us or self.arrival_us

@@ -108,6 +108,7 @@ def _sequence_step(entry: ScheduledSequence) -> worker_pb2.SequenceStep:
     )
     if entry.sends_sampling:
         step.num_prompt_tokens = seq.num_prompt_tokens
+        step.traceparent = seq.traceparent
         s = seq.sampling
         step.sampling.CopyFrom(
             worker_pb2.SamplingParams(

@@ -7,6 +7,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from services.common.config import load_config
 from services.common.grpc_server import GrpcService, channel, is_serving
+from services.common import tracing
 from services.common.log import setup_logging
 from services.common.metrics import process_registry, serve_metrics_in_thread
 from services.common.supervisor import exit_with_supervisor
@@ -23,6 +24,7 @@ async def main() -> None:
     exit_with_supervisor()
     config = load_config(TokenizerConfig)
     log = setup_logging("tokenizer")
+    tracing.setup("tokenizer")
     service = GrpcService("tokenizer", config.host, config.port, config.drain_timeout_s)
     if config.metrics_port:
         serve_metrics_in_thread(process_registry(), config.host, config.metrics_port)

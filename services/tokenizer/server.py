@@ -8,7 +8,9 @@ import uuid
 from functools import partial
 
 import grpc
+from opentelemetry import trace
 
+from services.common import tracing
 from services.common.drain import Drain
 from services.common.errors import ServiceError, client_message, invalid_argument
 from services.common.multiplex import CallMultiplexer, MultiplexedCall, call_method, multiplexed_method
@@ -137,15 +139,25 @@ class ChatServicer(chat_pb2_grpc.ChatServiceServicer):
         self.drain = drain or Drain("tokenizer")  # refuses new Chat calls once SIGTERM came
 
     async def _chat(self, request):
+        with tracing.span("chat", trace.SpanKind.SERVER) as span:
+            async for response in self._respond(request, span):
+                yield response
+
+    async def _respond(self, request, span):
         arrival_us = request.arrival_time_us or time.time_ns() // 1000
         self.core.check_model(request.model)
         _check_beam_search(request)
         kwargs = struct_to_dict(request.chat_template_kwargs)
         tools = [] if request.tool_choice.mode == chat_pb2.TOOL_CHOICE_MODE_NONE else request.tools
-        prompt = await self.core.prompts.render(request.messages, tools, kwargs)
+        with tracing.span("chat_template"):
+            prompt = await self.core.prompts.render(request.messages, tools, kwargs)
         if len(prompt.token_ids) > self.core.max_input_tokens:
             raise too_long(self.core.max_input_tokens, str(len(prompt.token_ids)))
         request_id = request.request_id or f"chatcmpl-{uuid.uuid4().hex}"
+        if span is not None:
+            span.set_attributes({"gen_ai.operation.name": "chat", "gen_ai.request.model": request.model,
+                                 "gen_ai.usage.input_tokens": len(prompt.token_ids),
+                                 "stormserve.request_id": request_id})
         options = output_options(self.core.formats, bool(request.tools), kwargs, prompt.text)
         # A forced tool call, else response_format (the two together are refused).
         grammar = tool_choice_grammar(request, options, self.core.formats) or response_format_grammar(

@@ -19,6 +19,7 @@ import kubernetes_validate.utils
 import pytest
 import yaml
 
+from services.common import tracing
 from services.common.config import load_config
 from services.http_edge.config import EdgeConfig
 from services.scheduler.config import SchedulerConfig
@@ -75,6 +76,7 @@ VALUE_SETS: dict[str, dict] = {
                     "scrapeFrom": [{"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}],
                     "podMonitor": {"enabled": True, "labels": {"release": "kube-prometheus"}},
                     "serviceMonitor": {"enabled": True, "interval": "15s"}},
+        "tracing": {"otlpEndpoint": "http://otel-collector.observability:4317"},
         "networkPolicy": {"edgeFrom": [{"namespaceSelector": {"matchLabels": {"ingress": "true"}}}]},
     },
 }
@@ -213,6 +215,7 @@ BAD_VALUES = [
     ({"worker": {"acceleratorResource": {"name": "gpu"}}}, "at '/worker/acceleratorResource/name'"),
     ({"scheduler": {"workerDiscovery": "pods"}}, "at '/scheduler/workerDiscovery'"),
     ({"config": {"max_seq_len": "100"}}, "'max_seq_len' does not match pattern"),
+    ({"tracing": {"otlpEndpoint": "otel-collector:4317"}}, "at '/tracing/otlpEndpoint'"),
 ]
 
 
@@ -601,3 +604,14 @@ def test_metrics_ports_monitors_and_who_may_scrape():
     defaults = rendered("defaults")
     assert not of_kind(defaults, "PodMonitor") and not of_kind(defaults, "ServiceMonitor")
     assert all("metrics" not in {p["name"] for p in c["ports"]} for _, c, _ in containers(defaults))
+
+
+def test_tracing_reaches_every_service_when_a_collector_is_named():
+    for _, container, module in containers(rendered("metrics")):
+        env = container_env(rendered("metrics"), container)
+        assert tracing.configured(env), module
+        assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector.observability:4317"
+        assert env["OTEL_EXPORTER_OTLP_INSECURE"] == "true"
+        assert env["OTEL_SERVICE_NAME"] == "stormserve-" + {"http_edge": "edge"}.get(module, module)
+    for _, container, module in containers(rendered("defaults")):
+        assert not tracing.configured(container_env(rendered("defaults"), container)), module

@@ -150,6 +150,14 @@ lifecycle:
 - name: STORMSERVE_METRICS_PORT
   value: {{ .root.Values.metrics.port | quote }}
 {{- end }}
+{{- with .root.Values.tracing.otlpEndpoint }}
+- name: OTEL_EXPORTER_OTLP_ENDPOINT
+  value: {{ . | quote }}
+- name: OTEL_EXPORTER_OTLP_INSECURE
+  value: {{ $.root.Values.tracing.insecure | toString | quote }}
+- name: OTEL_SERVICE_NAME
+  value: stormserve-{{ $.component }}
+{{- end }}
 # The root filesystem is read-only: libraries that write under ~ write to /tmp.
 - name: HOME
   value: /tmp

@@ -73,7 +73,7 @@ class MediaFetcher:
         reader = ItemReader(kind, self.policy.max_bytes(kind), budget)
         try:
             if url[:5].lower() == "data:":
-                self._read_data_uri(kind, url, reader)
+                await asyncio.to_thread(self._read_data_uri, kind, url, reader)
             elif url[:7].lower() in ("http://", "https:/"):
                 await self.http.fetch(url, reader)
             elif url.startswith("/") or url[:7].lower() == "file://":
@@ -137,20 +137,23 @@ class MediaFetcher:
                 reader.add(chunk)
 
     async def _checked(self, kind: str, data: bytes) -> MediaItem:
-        digest = hashlib.sha256(data).hexdigest()
+        # Hashing and decoding hundreds of MiB is CPU work: threads, off the event loop.
+        digest = await asyncio.to_thread(lambda: hashlib.sha256(data).hexdigest())
         cached = self._cache.get(digest)
         if cached is not None and cached.kind == kind:
             self._cache.move_to_end(digest)
             return cached
-        fmt = identify(kind, data)
-        image = None
-        if kind == "image":
-            image = await asyncio.to_thread(decode_image, data, fmt, self.policy)
-        else:
-            check_container(kind, fmt, data, self.policy)
+        fmt, image = await asyncio.to_thread(self._inspect, kind, data)
         item = MediaItem(kind=kind, data=data, format=fmt, sha256=digest, image=image)
         self._remember(item)
         return item
+
+    def _inspect(self, kind: str, data: bytes):
+        fmt = identify(kind, data)
+        if kind == "image":
+            return fmt, decode_image(data, fmt, self.policy)
+        check_container(kind, fmt, data, self.policy)
+        return fmt, None
 
     def _remember(self, item: MediaItem) -> None:
         size = _entry_bytes(item)

@@ -5,7 +5,7 @@ Each hop: the URL is parsed once, strictly, by `parse_url` (anything another
 parser could read differently is refused: backslashes, user info, numeric host
 forms other than a dotted quad, bytes outside RFC 3986), and that one parse is
 what is checked and what is fetched. The host is resolved once and every
-address must be public (unless the operator allows private networks); the
+address must be public (or in a network the operator allows); the
 connection goes to the first checked address, with the name kept in the Host
 header and the TLS SNI and certificate check. Redirects are followed here, a
 few at most, each hop checked again. The body streams under the item's byte
@@ -174,11 +174,11 @@ class HttpFetcher:
                 raise MediaRefused(f"the host {parsed.host} does not resolve") from None
             if not addresses:
                 raise MediaRefused(f"the host {parsed.host} does not resolve")
-        if not self.policy.allow_private_networks:
-            refused = [a for a in addresses if not is_public(a)]
-            if refused:
-                raise MediaRefused(f"the host {parsed.host} resolves to a non-public address ({refused[0]}); "
-                                   "media may come from public addresses only")
+        refused = [a for a in addresses if not is_public(a)
+                   and not any(a in network for network in self.policy.allowed_networks)]
+        if refused:
+            raise MediaRefused(f"the host {parsed.host} resolves to a non-public address ({refused[0]}); "
+                               "media may come from public addresses only")
         return str(addresses[0])
 
     async def _get(self, parsed: ParsedUrl, reader: ItemReader) -> str | None:

@@ -2,7 +2,9 @@
 fetched item, and the refusal a client reads (media.py re-exports all three)."""
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
+from ipaddress import IPv4Network, IPv6Network, ip_network
 
 import grpc
 from PIL import Image
@@ -19,7 +21,8 @@ class MediaPolicy:
 
     allowed_domains: frozenset[str] = frozenset()  # exact lower-case host names; empty = any public host
     media_dir: str = "/data/multimodal_inputs/"
-    allow_private_networks: bool = False  # loopback, RFC 1918, link-local, CGNAT... reachable when true
+    # Non-public networks (loopback, RFC 1918, link-local, CGNAT...) media URLs may still reach.
+    allowed_networks: tuple[IPv4Network | IPv6Network, ...] = ()
     max_image_bytes: int = 40 * MIB
     max_video_bytes: int = 512 * MIB
     max_audio_bytes: int = 40 * MIB
@@ -40,7 +43,7 @@ class MediaPolicy:
         return cls(
             allowed_domains=frozenset(d.strip().lower().rstrip(".") for d in config.allowed_media_domains),
             media_dir=config.media_dir,
-            allow_private_networks=config.media_allow_private_networks,
+            allowed_networks=tuple(ip_network(n, strict=False) for n in config.media_allowed_networks),
             max_image_bytes=config.max_request_mib * MIB,
             max_video_bytes=config.max_video_mib * MIB,
             max_audio_bytes=config.max_request_mib * MIB,
@@ -94,10 +97,13 @@ class ByteBudget:
     def __init__(self, max_request_bytes: int):
         self.max_request_bytes = max_request_bytes
         self.used = 0
+        self._lock = threading.Lock()  # local files and data URIs are read in threads
 
     def take(self, num_bytes: int) -> None:
-        self.used += num_bytes
-        if self.used > self.max_request_bytes:
+        with self._lock:
+            self.used += num_bytes
+            used = self.used
+        if used > self.max_request_bytes:
             raise too_large(f"the request's media exceed {self.max_request_bytes} bytes in all")
 
 

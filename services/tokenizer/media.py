@@ -128,10 +128,11 @@ class MediaFetcher:
             raise MediaRefused("no such file in the media directory (symlinks are not followed)") from None
         finally:
             os.close(fd)
+        info = os.fstat(file_fd)
+        if not stat.S_ISREG(info.st_mode):
+            os.close(file_fd)
+            raise MediaRefused("a local media path must name a regular file")
         with os.fdopen(file_fd, "rb") as file:
-            info = os.fstat(file.fileno())
-            if not stat.S_ISREG(info.st_mode):
-                raise MediaRefused("a local media path must name a regular file")
             reader.check_declared(info.st_size)
             while chunk := file.read(_CHUNK):
                 reader.add(chunk)

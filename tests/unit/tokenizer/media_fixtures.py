@@ -202,3 +202,14 @@ async def client_answer(refused: MediaRefused) -> tuple[int, dict]:
         await server.stop(None)
     assert len(answers) == 2 and answers[0] == answers[1], answers
     return answers[0]
+
+
+async def expect_answer(refusal: MediaRefused, status: int, where: str, words: str) -> None:
+    """`refusal` is about the part `where`, says `words`, and the client reads
+    `status` with the documented body naming the part and the reason."""
+    assert refusal.status == status and refusal.where == where and words in refusal.reason, refusal.message
+    http_status, answer = await client_answer(refusal)
+    error_type = {422: "Input Validation Error", 413: "Payload Too Large"}[status]
+    message = f"{where}: {refusal.reason}"
+    assert http_status == status
+    assert answer == {"error": message, "error_type": error_type, "code": status, "result": None, "message": message}

@@ -13,7 +13,7 @@ import pytest
 from services.tokenizer.media import MediaFetcher, MediaPolicy, MediaRefused
 from tests.tls import TestCA
 from tests.unit.tokenizer.media_fixtures import (
-    body, client_answer, drip, endless, gif, http_server, png, png_claiming, redirect, silent)
+    body, drip, endless, expect_answer, gif, http_server, png, png_claiming, redirect, silent)
 
 WHERE = "messages[0].content[1].image_url"
 LOOPBACK = (ip_network("127.0.0.1/32"),)  # the test server's one address, allowed explicitly
@@ -40,14 +40,7 @@ async def refused(fetcher: MediaFetcher, url: str, kind: str = "image") -> Media
 
 
 async def expect(refusal: MediaRefused, status: int, words: str) -> None:
-    """The client reads `status` and the documented body naming the part and the reason."""
-    assert refusal.status == status and refusal.where == WHERE and words in refusal.reason, refusal.message
-    http_status, answer = await client_answer(refusal)
-    error_type = {422: "Input Validation Error", 413: "Payload Too Large"}[status]
-    assert http_status == status
-    assert answer == {"error": refusal.message, "error_type": error_type, "code": status, "result": None,
-                      "message": refusal.message}
-    assert answer["message"].startswith(WHERE + ": ")
+    await expect_answer(refusal, status, WHERE, words)
 
 
 def test_loopback_and_private_addresses_are_refused_by_default() -> None:

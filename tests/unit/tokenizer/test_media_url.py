@@ -10,7 +10,7 @@ import pytest
 
 from services.tokenizer.media import MediaFetcher, MediaPolicy, MediaRefused
 from services.tokenizer.media_http import ParsedUrl, is_public, parse_url
-from tests.unit.tokenizer.media_fixtures import client_answer
+from tests.unit.tokenizer.media_fixtures import expect_answer
 
 WHERE = "messages[2].content[0].image_url"
 
@@ -48,12 +48,7 @@ def test_url_tricks_are_refused_with_the_documented_body(url: str, words: str) -
         fetcher = MediaFetcher(MediaPolicy(allowed_domains=frozenset({"allowed.example"})))
         with pytest.raises(MediaRefused) as caught:
             await fetcher.fetch("image", url, WHERE)
-        refusal = caught.value
-        assert refusal.status == 422 and words in refusal.reason, refusal.reason
-        status, body = await client_answer(refusal)
-        assert status == 422 and body == {"error": refusal.message, "error_type": "Input Validation Error",
-                                          "code": 422, "result": None, "message": refusal.message}
-        assert body["message"] == f"{WHERE}: {refusal.reason}"
+        await expect_answer(caught.value, 422, WHERE, words)
 
     asyncio.run(scenario())
 

@@ -10,6 +10,7 @@ import grpc
 from PIL import Image
 
 from services.common.errors import PAYLOAD_TOO_LARGE, ServiceError
+from services.common.media_parts import MAX_MEDIA_PARTS
 
 MIB = 1024 * 1024
 KINDS = ("image", "video", "audio")
@@ -27,7 +28,7 @@ class MediaPolicy:
     max_video_bytes: int = 512 * MIB
     max_audio_bytes: int = 40 * MIB
     max_request_bytes: int = 1000 * MIB  # all media of one request together
-    max_parts: int = 20  # media parts in one request
+    max_parts: int = MAX_MEDIA_PARTS  # media parts in one request
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 30.0  # longest wait for the next bytes
     total_timeout_s: float = 60.0  # one fetch, redirects included

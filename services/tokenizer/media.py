@@ -115,7 +115,8 @@ class MediaFetcher:
             raise MediaRefused(f"a local {kind} file must end in {', '.join(sorted(_EXTENSIONS[kind]))}")
         nofollow = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
-            fd = os.open(root, nofollow | os.O_DIRECTORY)
+            # The operator's own path may pass through symlinks (a mounted volume); the client's part may not.
+            fd = os.open(os.path.realpath(root), nofollow | os.O_DIRECTORY)
         except OSError:
             raise MediaRefused("the media directory is not available on this server") from None
         try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from ipaddress import IPv4Network, IPv6Network, ip_network
+from ipaddress import IPv4Network, IPv6Network, ip_address, ip_network
 
 import grpc
 from PIL import Image
@@ -42,7 +42,7 @@ class MediaPolicy:
     def from_config(cls, config) -> MediaPolicy:
         """The policy of a TokenizerConfig (services/tokenizer/config.py)."""
         return cls(
-            allowed_domains=frozenset(d.strip().lower().rstrip(".") for d in config.allowed_media_domains),
+            allowed_domains=frozenset(_host_entry(d) for d in config.allowed_media_domains),
             media_dir=config.media_dir,
             allowed_networks=tuple(ip_network(n, strict=False) for n in config.media_allowed_networks),
             max_image_bytes=config.max_request_mib * MIB,
@@ -60,6 +60,16 @@ class MediaPolicy:
 
     def max_bytes(self, kind: str) -> int:
         return {"image": self.max_image_bytes, "video": self.max_video_bytes, "audio": self.max_audio_bytes}[kind]
+
+
+def _host_entry(entry: str) -> str:
+    """An allowlist entry as media_http.parse_url writes hosts: lower case, no
+    trailing dot, IPv6 addresses compressed and without brackets."""
+    host = entry.strip().lower().rstrip(".")
+    try:
+        return str(ip_address(host.strip("[]")))
+    except ValueError:
+        return host
 
 
 @dataclass(frozen=True)

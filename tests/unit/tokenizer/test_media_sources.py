@@ -87,10 +87,14 @@ def media_dir(tmp_path):
 
 
 def test_local_files_are_read_from_the_media_directory(media_dir) -> None:
+    (media_dir.parent / "mounted").symlink_to(media_dir)  # the operator's path may be a link
+
     async def scenario() -> None:
         fetcher = MediaFetcher(MediaPolicy(media_dir=str(media_dir)))
         assert (await fetcher.fetch("image", f"{media_dir}/cat.png", WHERE)).image.size == (4, 3)
         assert (await fetcher.fetch("image", f"file://{media_dir}/cats/tabby.jpeg", WHERE)).format == "jpeg"
+        mounted = MediaFetcher(MediaPolicy(media_dir=str(media_dir.parent / "mounted") + "/"))
+        assert (await mounted.fetch("image", f"{media_dir.parent}/mounted/cat.png", WHERE)).format == "png"
 
     asyncio.run(scenario())
 
@@ -161,12 +165,12 @@ def test_the_same_bytes_are_checked_and_decoded_once() -> None:
 
 
 def test_the_policy_comes_from_the_tokenizer_config() -> None:
-    config = load_config(TokenizerConfig, ["--allowed-media-domains", "Media.Example, cdn.example.",
+    config = load_config(TokenizerConfig, ["--allowed-media-domains", "Media.Example, cdn.example.,[0:0::1]",
                                            "--media-allowed-networks", "10.1.0.0/16,127.0.0.1",
                                            "--media-dir", "/srv/media", "--maxRequestLength", "8",
                                            "--max-image-pixels", "1000000"], environ={})
     policy = MediaPolicy.from_config(config)
-    assert policy.allowed_domains == {"media.example", "cdn.example"}
+    assert policy.allowed_domains == {"media.example", "cdn.example", "::1"}
     assert policy.allowed_networks == (ip_network("10.1.0.0/16"), ip_network("127.0.0.1/32"))
     assert (policy.media_dir, policy.max_image_bytes, policy.max_image_pixels) == ("/srv/media", 8 << 20, 1_000_000)
     assert MediaPolicy.from_config(TokenizerConfig()) == MediaPolicy()

@@ -46,6 +46,7 @@ def message_to_dict(message: chat_pb2.ChatMessage) -> dict[str, Any]:
     """The message as the template sees it (OpenAI-style dict)."""
     if message.content_parts:
         if any(part.type in MEDIA_TYPES for part in message.content_parts):
+            # Before any fetch (media.py): a model that cannot use media never reaches out for it.
             raise invalid_argument("this model accepts text only; media content parts are not supported")
         content = "".join(part.text for part in message.content_parts if part.type == "text")
     else:

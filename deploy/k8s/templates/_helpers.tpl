@@ -134,7 +134,12 @@ resources:
 lifecycle:
   preStop:
     exec:
+      {{- if eq .component "envoy" }}
+      # Envoy cuts its streams on SIGTERM: drain it gracefully first (services/envoy/drain.py).
+      command: ["sh", "-c", "sleep {{ .root.Values.drain.preStopSleepSeconds }} && exec python -m services.envoy --drain"]
+      {{- else }}
       command: ["sleep", "{{ .root.Values.drain.preStopSleepSeconds }}"]
+      {{- end }}
 {{- end -}}
 
 {{/* Env of one container: where it listens, its drain timeout, then its own extra settings. */}}

@@ -73,7 +73,7 @@ def create_app(config: EdgeConfig, backend: ChatBackend | None = None) -> FastAP
     app.state.drain = Drain("http_edge")
     app.add_middleware(RefuseWhileDraining, drain=app.state.drain)
     install_error_handlers(app)
-    metrics = EdgeMetrics()
+    metrics = app.state.metrics = EdgeMetrics()
     app.add_middleware(ObserveMiddleware, metrics=metrics)
     chat_completions = ChatCompletions(config, backend)
     api_keys = load_api_keys(config)

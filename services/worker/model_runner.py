@@ -32,6 +32,7 @@ from services.worker.guided import GrammarError, GuidedDecoding
 from services.worker.kv_cache import KVCachePool, KVCacheSpec
 from services.worker.penalties import apply_penalties
 from services.worker.sequence import SampledToken, SamplingParams, SequenceInput, StepResult
+from services.worker.vision import SequenceImages, VisionLanguageDecoder, check_images, has_vision_tower
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +86,8 @@ class SequenceState:
     # The token sampled last, until the sequence is next fed: a step that feeds
     # it without knowing it (feed_last_sampled) takes it from here.
     last_sampled: int | None = None
+    # A vision-language model's images of the sequence; None without.
+    images: SequenceImages | None = None
 
 
 # input_ids [T] packed as the step lays them out, the step, the rows to return
@@ -188,8 +191,10 @@ class ModelRunner:
         architecture = (getattr(self.config, "architectures", None) or [self.config.model_type])[0]
         lean = LeanDecoder.supports(self.config)
         with torch.inference_mode():
-            if lean and Checkpoint.available(model_dir):
-                self.decoder: Decoder = LeanDecoder(self.config, Checkpoint(model_dir, dtype_t, backend.device),
+            if has_vision_tower(self.config):
+                self.decoder: Decoder | VisionLanguageDecoder = VisionLanguageDecoder(model_dir, dtype_t, backend)
+            elif lean and Checkpoint.available(model_dir):
+                self.decoder = LeanDecoder(self.config, Checkpoint(model_dir, dtype_t, backend.device),
                                                     backend)
             else:
                 model = _load_hf_model(model_dir, dtype_t, backend)
@@ -313,6 +318,9 @@ class ModelRunner:
                 s.sampling.validate()
                 if s.num_computed_tokens < 0 or s.num_prompt_tokens < 0:
                     raise invalid_argument(f"seq {s.seq_id}: negative num_computed_tokens or num_prompt_tokens")
+                if s.images and not isinstance(self.decoder, VisionLanguageDecoder):
+                    raise invalid_argument(f"seq {s.seq_id}: this model has no vision tower for its images")
+                check_images(s.images, s.seq_id)
             elif s.num_computed_tokens != state.num_cached_tokens:
                 raise invalid_argument(
                     f"seq {s.seq_id}: num_computed_tokens {s.num_computed_tokens} but the worker "
@@ -362,7 +370,8 @@ class ModelRunner:
             # Seeded once: the sequence's draws depend on its seed alone, not on the batch.
             generator = torch.Generator()  # CPU: the sampler draws one scalar per token
             generator.manual_seed(sampling.seed)
-        state = SequenceState(sampling=sampling, generator=generator, num_prompt_tokens=s.num_prompt_tokens or None)
+        state = SequenceState(sampling=sampling, generator=generator, num_prompt_tokens=s.num_prompt_tokens or None,
+                              images=SequenceImages(s.images) if s.images else None)
         if sampling.grammar is not None:
             try:
                 state.matcher = self.guided.compile(sampling.grammar)
@@ -407,7 +416,11 @@ class ModelRunner:
             end += len(s.token_ids)
             if s.sample:
                 last_rows.append(end - 1)
-        return self.decoder(input_ids, step, torch.tensor(last_rows, dtype=torch.long, device=device))
+        logit_rows = torch.tensor(last_rows, dtype=torch.long, device=device)
+        if isinstance(self.decoder, VisionLanguageDecoder):
+            images = [(self.sequences[s.seq_id].images, s.num_computed_tokens, len(s.token_ids)) for s in inputs]
+            return self.decoder(input_ids, step, logit_rows, images)
+        return self.decoder(input_ids, step, logit_rows)
 
     def _record_fed_tokens(self, state: SequenceState, s: SequenceInput) -> None:
         # A fed token at a position the worker already sampled is that sample coming back;

@@ -1,0 +1,121 @@
+"""Vision-language models on the worker: tiny random-weight LLaVA and Qwen2-VL
+models give the logits of transformers' own forward of the same model
+(float32, pixels from the model's own image processor), with the prompt's
+prefill chunked so that one image spans two steps, a text-only sequence in
+the same packed steps, and decode steps after it (Qwen2-VL: the M-RoPE
+position offset an image leaves)."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+
+from services.common.errors import ServiceError
+from services.worker.backend import select_backend
+from services.worker.model_runner import ModelRunner
+from services.worker.sequence import SamplingParams
+from services.worker.vision import ImageInput, VisionLanguageDecoder, mrope_positions
+from tests.unit.worker.block_tables import BlockTables
+from tests.vlm_models import FAMILIES, build_vlm
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_dir(request, tmp_path_factory) -> tuple[str, Path]:
+    return request.param, build_vlm(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def _image(seed: int, width: int, height: int) -> Image.Image:
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+def _prompt(directory: Path, family: str, images: list[Image.Image]) -> tuple[list[int], list[ImageInput], dict]:
+    """Token ids with each image's placeholders expanded, the images as the
+    worker gets them, and the HF forward's image kwargs."""
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    processed = AutoImageProcessor.from_pretrained(directory)(images=images, return_tensors="pt")
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    ids = encode("<|im_start|>user\nWhat is in")
+    inputs: list[ImageInput] = []
+    patches = 0
+    for index in range(len(images)):
+        if family == "qwen2_vl":
+            grid = tuple(int(v) for v in processed["image_grid_thw"][index])
+            num = grid[0] * grid[1] * grid[2]
+            pixels, num_tokens = processed["pixel_values"][patches: patches + num], num // 4
+            patches += num
+            ids += encode(" this<|vision_start|>")
+            token = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+        else:
+            grid, pixels, num_tokens = None, processed["pixel_values"][index], 16
+            ids += encode(" this")
+            token = tokenizer.convert_tokens_to_ids("<image>")
+        inputs.append(ImageInput(len(ids), num_tokens, pixels, grid))
+        ids += [token] * num_tokens
+        if family == "qwen2_vl":
+            ids += encode("<|vision_end|>")
+    ids += encode(" picture?<|im_end|>\n<|im_start|>assistant\n")
+    return ids, inputs, dict(processed)
+
+
+def test_logits_match_transformers(family_dir):
+    family, directory = family_dir
+    torch.manual_seed(0)
+    ids, images, hf_kwargs = _prompt(directory, family, [_image(1, 100, 70), _image(2, 60, 90)])
+    text_ids = torch.randint(0, 1000, (9,)).tolist()
+    generated = [17, 42, 7]  # fed back as decodes
+    full = ids + generated
+    reference = AutoModelForImageTextToText.from_pretrained(directory, dtype=torch.float32,
+                                                            attn_implementation="sdpa").eval()
+    with torch.inference_mode():
+        if family == "qwen2_vl":
+            hf_kwargs["mm_token_type_ids"] = (torch.tensor([full]) == reference.config.image_token_id).int()
+        expected = reference(input_ids=torch.tensor([full]), **hf_kwargs).logits[0]
+        expected_text = reference(input_ids=torch.tensor([text_ids])).logits[0]
+
+    runner = ModelRunner(directory, select_backend("cpu"), "float32", block_size=4, kv_cache_bytes=2**20,
+                         max_batch_size=4)
+    assert isinstance(runner.decoder, VisionLanguageDecoder)
+    tables = BlockTables(runner)
+    greedy = SamplingParams(temperature=0.0)
+    first = tables.feed(1, ids[:images[0].offset + 3], 0, False, greedy)  # ends inside the first image
+    steps = [
+        [dataclasses.replace(first, images=tuple(images)), tables.feed(2, text_ids[:5], 0, True, greedy)],
+        [tables.feed(1, ids[len(first.token_ids):], len(first.token_ids), True),
+         tables.feed(2, text_ids[5:], 5, True)],
+    ] + [[tables.feed(1, [token], len(ids) + i, True)] for i, token in enumerate(generated)]
+    for step in steps:
+        logits = runner.forward(step)
+        for row, s in enumerate(s for s in step if s.sample):
+            end = s.num_computed_tokens + len(s.token_ids)
+            want = expected[end - 1] if s.seq_id == 1 else expected_text[end - 1]
+            torch.testing.assert_close(logits[row], want, atol=1e-4, rtol=1e-4)
+    assert runner.sequences[1].images.embeddings == {}  # both images passed: nothing kept
+
+
+def test_image_span_must_hold_image_tokens(family_dir):
+    family, directory = family_dir
+    ids, images, _ = _prompt(directory, family, [_image(3, 56, 56)])
+    runner = ModelRunner(directory, select_backend("cpu"), "float32", block_size=4, kv_cache_bytes=2**20,
+                         max_batch_size=4)
+    tables = BlockTables(runner)
+    shifted = dataclasses.replace(images[0], offset=images[0].offset - 1)
+    with pytest.raises(ServiceError, match="image token"):
+        runner.forward([dataclasses.replace(tables.feed(1, ids, 0, True, SamplingParams()), images=(shifted,))])
+
+
+def test_mrope_positions_of_any_window_match_the_whole():
+    images = (ImageInput(3, 4, torch.empty(0), (1, 4, 4)), ImageInput(9, 6, torch.empty(0), (1, 4, 6)))
+    whole = mrope_positions(images, 0, 21, merge_size=2)
+    # text 0..2; a 2x2 grid from 3; text goes on at 3 + 2 = 5; a 2x3 grid from 7 (position 9); text at 7 + 3 = 10.
+    assert whole[:, :3].tolist() == [[0, 1, 2]] * 3
+    assert whole[:, 3:7].tolist() == [[3, 3, 3, 3], [3, 3, 4, 4], [3, 4, 3, 4]]
+    assert whole[:, 7:9].tolist() == [[5, 6]] * 3
+    assert whole[:, 15:].tolist() == [[10, 11, 12, 13, 14, 15]] * 3
+    for start in range(0, 19, 3):
+        assert torch.equal(mrope_positions(images, start, 3, merge_size=2), whole[:, start:start + 3])

@@ -115,7 +115,7 @@ class BatchPolicy(BeamSteps):
         """Prompt tokens `seq` would reuse here (for placement across workers)."""
         if seq.sampling.needs_full_history:
             return 0
-        return self.blocks.num_cached_tokens(seq.prompt_token_ids)
+        return self.blocks.num_cached_tokens(seq.prompt_cache_keys)
 
     @property
     def num_free_blocks(self) -> int:

@@ -124,6 +124,8 @@ def _sequence_step(entry: ScheduledSequence) -> worker_pb2.SequenceStep:
         if s.grammar is not None:
             kind, source = s.grammar  # GrammarKind numbers are the same in both packages
             step.sampling.grammar.CopyFrom(worker_pb2.Grammar(kind=kind, source=source))
+        # The messages as the request brought them: one copy into the step, no re-encoding.
+        step.images.extend(image.message for image in seq.images)
     return step
 
 

@@ -35,13 +35,13 @@ import grpc
 from google.rpc import status_pb2
 
 from services.common.drain import Drain
-from services.common.errors import DRAIN_REFUSED, request_id_of, status_of
+from services.common.errors import (
+    DRAIN_REFUSED, STATUS_CODES, request_id_of, status_of, status_proto, status_trailers)
 
-_CODES = {code.value[0]: code for code in grpc.StatusCode}
 
-
-def _error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
+def _error(code: grpc.StatusCode, details: str,
+           trailers: tuple[tuple[str, bytes], ...] = ()) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(*trailers), details=details)
 
 
 def _status(code: grpc.StatusCode, message: str = "") -> status_pb2.Status:
@@ -78,7 +78,7 @@ async def serve_calls(requests: AsyncIterator[Any], handle: Callable[[Any], Asyn
                 raise  # cancelled by the caller: it expects nothing more
             end = _status(*status_of(drain.expiry_error()))
         except Exception as exc:  # noqa: BLE001 - becomes the call's status, as the interceptor does
-            end = _status(*status_of(exc, request_id_of(request)))
+            end = status_proto(exc, request_id_of(request))
         finally:
             calls.pop(call_id, None)
         emit(event_type(call_id=call_id, end=end))
@@ -351,8 +351,8 @@ class CallMultiplexer:
                     end = event.end
                     if self._resend_refused(stream, call, end):
                         continue
-                    call._finish(None if end.code == 0 else _error(_CODES.get(end.code, grpc.StatusCode.UNKNOWN),
-                                                                   end.message))
+                    call._finish(None if end.code == 0 else _error(
+                        STATUS_CODES.get(end.code, grpc.StatusCode.UNKNOWN), end.message, status_trailers(end)))
         except grpc.aio.AioRpcError as exc:
             error = exc
         finally:

@@ -71,7 +71,8 @@ def build_vlm(family: str, directory: Path) -> Path:
             vision_config=CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                            num_attention_heads=4, image_size=LLAVA_IMAGE_SIZE, patch_size=14,
                                            projection_dim=32),
-            text_config=LlamaConfig(**TEXT, vocab_size=len(tokenizer)),
+            text_config=LlamaConfig(**TEXT, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                                    eos_token_id=tokenizer.eos_token_id),
             image_token_id=tokenizer.convert_tokens_to_ids(LLAVA_IMAGE_TOKEN),
             vision_feature_layer=-2, vision_feature_select_strategy="default",
         )

@@ -226,7 +226,9 @@ class ModelRunner:
 
     def describe(self) -> ModelDescription:
         generation = self.generation_config
-        eos = _token_ids(generation.eos_token_id) + _token_ids(self.config.eos_token_id)
+        # A vision-language model's config holds EOS in its text config.
+        text_eos = getattr(self.config.get_text_config(), "eos_token_id", None)
+        eos = _token_ids(generation.eos_token_id) + _token_ids(text_eos)
         return ModelDescription(
             model_path=str(self.model_dir),
             vocab_size=int(self.config.get_text_config().vocab_size),

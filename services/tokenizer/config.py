@@ -1,6 +1,7 @@
 """Tokenizer/template service configuration (reference names in `alias`)."""
 from __future__ import annotations
 
+import ipaddress
 import os
 from dataclasses import dataclass
 
@@ -51,8 +52,9 @@ class TokenizerConfig:
         (), "comma list of the exact host names media URLs may name (MindIE's ALLOWED_MEDIA_DOMAINS_ENV); "
         "empty = any host whose addresses are public")
     media_dir: str = setting("/data/multimodal_inputs/", "directory local media paths must lie in (no symlinks)")
-    media_allow_private_networks: bool = setting(
-        False, "let media URLs reach loopback, private, link-local, CGNAT and other non-public addresses")
+    media_allowed_networks: tuple[str, ...] = setting(
+        (), "comma list of non-public networks (CIDR: 10.0.0.0/8, 127.0.0.1/32) media URLs may reach; "
+        "empty = public addresses only (no loopback, private, link-local, CGNAT, multicast, reserved)")
     max_request_mib: int = setting(
         40, "largest image or audio item in MiB, [1, 100] (the edge's body limit of the same name)",
         alias="maxRequestLength")
@@ -94,3 +96,8 @@ class TokenizerConfig:
         require(0 < self.max_media_seconds <= 86400, "max_media_seconds must be in (0, 86400]")
         require(0 <= self.media_cache_mib <= 65536, "media_cache_mib must be in [0, 65536]")
         require(os.path.isabs(self.media_dir), "media_dir must be an absolute path")
+        for network in self.media_allowed_networks:
+            try:
+                ipaddress.ip_network(network, strict=False)
+            except ValueError:
+                require(False, f"media_allowed_networks: {network!r} is not a network (CIDR)")

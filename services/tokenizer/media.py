@@ -73,7 +73,7 @@ class MediaFetcher:
         reader = ItemReader(kind, self.policy.max_bytes(kind), budget)
         try:
             if url[:5].lower() == "data:":
-                self._read_data_uri(kind, url, reader)
+                await asyncio.to_thread(self._read_data_uri, kind, url, reader)
             elif url[:7].lower() in ("http://", "https:/"):
                 await self.http.fetch(url, reader)
             elif url.startswith("/") or url[:7].lower() == "file://":
@@ -115,7 +115,8 @@ class MediaFetcher:
             raise MediaRefused(f"a local {kind} file must end in {', '.join(sorted(_EXTENSIONS[kind]))}")
         nofollow = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
-            fd = os.open(root, nofollow | os.O_DIRECTORY)
+            # The operator's own path may pass through symlinks (a mounted volume); the client's part may not.
+            fd = os.open(os.path.realpath(root), nofollow | os.O_DIRECTORY)
         except OSError:
             raise MediaRefused("the media directory is not available on this server") from None
         try:
@@ -128,29 +129,33 @@ class MediaFetcher:
             raise MediaRefused("no such file in the media directory (symlinks are not followed)") from None
         finally:
             os.close(fd)
+        info = os.fstat(file_fd)
+        if not stat.S_ISREG(info.st_mode):
+            os.close(file_fd)
+            raise MediaRefused("a local media path must name a regular file")
         with os.fdopen(file_fd, "rb") as file:
-            info = os.fstat(file.fileno())
-            if not stat.S_ISREG(info.st_mode):
-                raise MediaRefused("a local media path must name a regular file")
             reader.check_declared(info.st_size)
             while chunk := file.read(_CHUNK):
                 reader.add(chunk)
 
     async def _checked(self, kind: str, data: bytes) -> MediaItem:
-        digest = hashlib.sha256(data).hexdigest()
+        # Hashing and decoding hundreds of MiB is CPU work: threads, off the event loop.
+        digest = await asyncio.to_thread(lambda: hashlib.sha256(data).hexdigest())
         cached = self._cache.get(digest)
         if cached is not None and cached.kind == kind:
             self._cache.move_to_end(digest)
             return cached
-        fmt = identify(kind, data)
-        image = None
-        if kind == "image":
-            image = await asyncio.to_thread(decode_image, data, fmt, self.policy)
-        else:
-            check_container(kind, fmt, data, self.policy)
+        fmt, image = await asyncio.to_thread(self._inspect, kind, data)
         item = MediaItem(kind=kind, data=data, format=fmt, sha256=digest, image=image)
         self._remember(item)
         return item
+
+    def _inspect(self, kind: str, data: bytes):
+        fmt = identify(kind, data)
+        if kind == "image":
+            return fmt, decode_image(data, fmt, self.policy)
+        check_container(kind, fmt, data, self.policy)
+        return fmt, None
 
     def _remember(self, item: MediaItem) -> None:
         size = _entry_bytes(item)

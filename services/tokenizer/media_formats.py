@@ -19,6 +19,8 @@ FORMATS = {
 }
 _PIL_FORMATS = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP", "gif": "GIF"}
 _ASF_GUID = bytes.fromhex("3026b2758e66cf11a6d900aa0062ce6c")
+# Headers come first: a file that needs more chunks or boxes to reach them is not read further.
+_MAX_HEADER_CHUNKS = 64
 
 
 def sniff(data: bytes) -> str | None:
@@ -71,7 +73,10 @@ def decode_image(data: bytes, fmt: str, policy: MediaPolicy) -> Image.Image:
             return image.convert("RGB")
     except MediaRefused:
         raise
-    except (Image.DecompressionBombError, OSError, SyntaxError, ValueError, EOFError, struct.error) as exc:
+    except Image.DecompressionBombError:
+        raise MediaRefused(f"the image declares more than twice the {Image.MAX_IMAGE_PIXELS} pixels PIL decodes "
+                           "(a decompression bomb)") from None
+    except (OSError, SyntaxError, ValueError, EOFError, struct.error) as exc:
         raise MediaRefused(f"the {fmt} image is not valid: {exc}") from None
 
 
@@ -98,7 +103,9 @@ def check_container(kind: str, fmt: str, data: bytes, policy: MediaPolicy) -> No
 def _riff_chunks(data: bytes, start: int, end: int):
     """(id, body start, body end) of the RIFF chunks in data[start:end]."""
     at = start
-    while at + 8 <= end:
+    for _ in range(_MAX_HEADER_CHUNKS):
+        if at + 8 > end:
+            return
         chunk_id, size = data[at:at + 4], struct.unpack_from("<I", data, at + 4)[0]
         body = at + 8
         yield chunk_id, body, min(body + size, end)
@@ -126,7 +133,9 @@ def _flac_seconds(data: bytes) -> float | None:
 
 def _mp4_boxes(data: bytes, start: int, end: int):
     at = start
-    while at + 8 <= end:
+    for _ in range(_MAX_HEADER_CHUNKS):
+        if at + 8 > end:
+            return
         size, box = struct.unpack_from(">I4s", data, at)
         header = 8
         if size == 1 and at + 16 <= end:

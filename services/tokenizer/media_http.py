@@ -5,7 +5,7 @@ Each hop: the URL is parsed once, strictly, by `parse_url` (anything another
 parser could read differently is refused: backslashes, user info, numeric host
 forms other than a dotted quad, bytes outside RFC 3986), and that one parse is
 what is checked and what is fetched. The host is resolved once and every
-address must be public (unless the operator allows private networks); the
+address must be public (or in a network the operator allows); the
 connection goes to the first checked address, with the name kept in the Host
 header and the TLS SNI and certificate check. Redirects are followed here, a
 few at most, each hop checked again. The body streams under the item's byte
@@ -36,7 +36,6 @@ _URL = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*)://([^/?#]*)([^#]*)")
 _LABEL = re.compile(r"[a-z0-9](?:[a-z0-9\-]{0,61}[a-z0-9])?")
 _DOTTED_QUAD = re.compile(r"(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])(?:\.(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])){3}")
 _NUMERIC_LABEL = re.compile(r"(?:0x[0-9a-f]*|[0-9]+)")
-_NAT64 = ipaddress.ip_network("64:ff9b::/96")
 _CHUNK = 64 * 1024
 
 Resolver = Callable[[str, int], Awaitable[list[str]]]
@@ -78,10 +77,12 @@ def parse_url(url: str) -> ParsedUrl:
         if not sep or (port_text and not port_text.startswith(":")):
             raise MediaRefused("the URL's IPv6 host is malformed")
         port_text = port_text[1:]
+        if "%" in host:
+            raise MediaRefused("the URL's IPv6 host is malformed: zone ids are not accepted")
         try:
             host = str(ipaddress.IPv6Address(host))
         except ValueError:
-            raise MediaRefused("the URL's IPv6 host is malformed (zone ids are not accepted)") from None
+            raise MediaRefused("the URL's IPv6 host is malformed") from None
     else:
         host, _, port_text = authority.partition(":")
         host = _check_host(host.lower())
@@ -109,18 +110,17 @@ def _check_host(host: str) -> str:
 
 
 def is_public(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
-    """Globally routable unicast, and for IPv6 no private IPv4 inside (mapped, 6to4, NAT64)."""
+    """Globally routable unicast. IPv4-mapped (::ffff:0:0/96), NAT64 (64:ff9b::/96)
+    and Teredo addresses lie in reserved or special ranges and are refused whole;
+    a 6to4 address is as public as the IPv4 address inside it."""
     if (not address.is_global or address.is_multicast or address.is_reserved or address.is_loopback
             or address.is_link_local or address.is_unspecified or address.is_private):
         return False
     if isinstance(address, ipaddress.IPv6Address):
         if address.is_site_local:
             return False
-        embedded = address.ipv4_mapped or address.sixtofour
-        if address in _NAT64:
-            embedded = ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
-        if embedded is not None:
-            return is_public(embedded)
+        if address.sixtofour is not None:
+            return is_public(address.sixtofour)
     return True
 
 
@@ -174,11 +174,11 @@ class HttpFetcher:
                 raise MediaRefused(f"the host {parsed.host} does not resolve") from None
             if not addresses:
                 raise MediaRefused(f"the host {parsed.host} does not resolve")
-        if not self.policy.allow_private_networks:
-            refused = [a for a in addresses if not is_public(a)]
-            if refused:
-                raise MediaRefused(f"the host {parsed.host} resolves to a non-public address ({refused[0]}); "
-                                   "media may come from public addresses only")
+        refused = [a for a in addresses if not is_public(a)
+                   and not any(a in network for network in self.policy.allowed_networks)]
+        if refused:
+            raise MediaRefused(f"the host {parsed.host} resolves to a non-public address ({refused[0]}); "
+                               "media may come from public addresses only")
         return str(addresses[0])
 
     async def _get(self, parsed: ParsedUrl, reader: ItemReader) -> str | None:

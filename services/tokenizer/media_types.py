@@ -2,12 +2,15 @@
 fetched item, and the refusal a client reads (media.py re-exports all three)."""
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
+from ipaddress import IPv4Network, IPv6Network, ip_address, ip_network
 
 import grpc
 from PIL import Image
 
 from services.common.errors import PAYLOAD_TOO_LARGE, ServiceError
+from services.common.media_parts import MAX_MEDIA_PARTS
 
 MIB = 1024 * 1024
 KINDS = ("image", "video", "audio")
@@ -19,12 +22,13 @@ class MediaPolicy:
 
     allowed_domains: frozenset[str] = frozenset()  # exact lower-case host names; empty = any public host
     media_dir: str = "/data/multimodal_inputs/"
-    allow_private_networks: bool = False  # loopback, RFC 1918, link-local, CGNAT... reachable when true
+    # Non-public networks (loopback, RFC 1918, link-local, CGNAT...) media URLs may still reach.
+    allowed_networks: tuple[IPv4Network | IPv6Network, ...] = ()
     max_image_bytes: int = 40 * MIB
     max_video_bytes: int = 512 * MIB
     max_audio_bytes: int = 40 * MIB
     max_request_bytes: int = 1000 * MIB  # all media of one request together
-    max_parts: int = 20  # media parts in one request
+    max_parts: int = MAX_MEDIA_PARTS  # media parts in one request
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 30.0  # longest wait for the next bytes
     total_timeout_s: float = 60.0  # one fetch, redirects included
@@ -38,9 +42,9 @@ class MediaPolicy:
     def from_config(cls, config) -> MediaPolicy:
         """The policy of a TokenizerConfig (services/tokenizer/config.py)."""
         return cls(
-            allowed_domains=frozenset(d.strip().lower().rstrip(".") for d in config.allowed_media_domains),
+            allowed_domains=frozenset(_host_entry(d) for d in config.allowed_media_domains),
             media_dir=config.media_dir,
-            allow_private_networks=config.media_allow_private_networks,
+            allowed_networks=tuple(ip_network(n, strict=False) for n in config.media_allowed_networks),
             max_image_bytes=config.max_request_mib * MIB,
             max_video_bytes=config.max_video_mib * MIB,
             max_audio_bytes=config.max_request_mib * MIB,
@@ -56,6 +60,16 @@ class MediaPolicy:
 
     def max_bytes(self, kind: str) -> int:
         return {"image": self.max_image_bytes, "video": self.max_video_bytes, "audio": self.max_audio_bytes}[kind]
+
+
+def _host_entry(entry: str) -> str:
+    """An allowlist entry as media_http.parse_url writes hosts: lower case, no
+    trailing dot, IPv6 addresses compressed and without brackets."""
+    host = entry.strip().lower().rstrip(".")
+    try:
+        return str(ip_address(host.strip("[]")))
+    except ValueError:
+        return host
 
 
 @dataclass(frozen=True)
@@ -94,10 +108,13 @@ class ByteBudget:
     def __init__(self, max_request_bytes: int):
         self.max_request_bytes = max_request_bytes
         self.used = 0
+        self._lock = threading.Lock()  # local files and data URIs are read in threads
 
     def take(self, num_bytes: int) -> None:
-        self.used += num_bytes
-        if self.used > self.max_request_bytes:
+        with self._lock:
+            self.used += num_bytes
+            used = self.used
+        if used > self.max_request_bytes:
             raise too_large(f"the request's media exceed {self.max_request_bytes} bytes in all")
 
 

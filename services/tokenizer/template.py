@@ -62,6 +62,7 @@ def message_to_dict(message: chat_pb2.ChatMessage, accepts_images: bool = False)
     media = [part.type for part in message.content_parts if part.type in MEDIA_TYPES]
     if media:
         if not accepts_images:
+            # Before any fetch (media.py): a model that cannot use media never reaches out for it.
             raise invalid_argument("this model accepts text only; media content parts are not supported")
         if any(kind != "image_url" for kind in media):
             raise invalid_argument("this model accepts text and images only; video_url and audio_url parts "

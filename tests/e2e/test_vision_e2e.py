@@ -1,7 +1,7 @@
 """Vision-language models through the whole chain with the `openai` client:
 one chain per family (a tiny random-weight model, float32, 4-token KV blocks),
 images as data URIs, from the local media directory and from an HTTP server
-on loopback (which the chain is told to allow), two images in one message,
+on loopback (the chain allows 127.0.0.1/32 for it), two images in one message,
 and the prefix cache keyed by image content.
 
 Random weights give no meaningful text, so the checks are on what the model
@@ -54,7 +54,7 @@ def vlm(request, tmp_path_factory):
     threading.Thread(target=server.serve_forever, daemon=True).start()
     env = {"STORMSERVE_MODEL_PATH": str(model_dir), "STORMSERVE_DTYPE": "float32",
            "STORMSERVE_CACHE_BLOCK_SIZE": str(BLOCK_SIZE), "STORMSERVE_KV_CACHE_MIB": "64",
-           "STORMSERVE_MEDIA_DIR": str(media_dir), "STORMSERVE_MEDIA_ALLOW_PRIVATE_NETWORKS": "true"}
+           "STORMSERVE_MEDIA_DIR": str(media_dir), "STORMSERVE_MEDIA_ALLOWED_NETWORKS": "127.0.0.1/32"}
     try:
         with running_chain(tmp_path_factory.mktemp(f"chain-{family}"), env=env) as (chain, stub):
             client = OpenAI(base_url=chain.url + "/v1", api_key="unused", timeout=120, max_retries=0)

@@ -1,4 +1,9 @@
 """What the API pages fix about media parts, for the edge (which validates the
-JSON) and the tokenizer (which fetches them, also for gRPC callers)."""
+JSON) and the tokenizer (which fetches them, also for gRPC callers); and how
+many image pixels travel down the chain at once."""
 
 MAX_MEDIA_PARTS = 20  # image_url, video_url and audio_url parts per request (reference §9.10)
+# Image pixels (float32 on the wire) one request, and one engine step, may carry:
+# three quarters of a gRPC message (grpc_server.MAX_MESSAGE_BYTES, 64 MiB), the
+# rest left for the step's tokens and block tables.
+MAX_STEP_IMAGE_BYTES = 48 * 1024 * 1024

@@ -168,7 +168,7 @@ def _image_spans(request: scheduler_pb2.GenerateRequest, num_prompt_tokens: int)
             raise invalid_argument("images must fill non-empty spans of the prompt, in order, not overlapping")
         if len(image.content_hash) != 32:
             raise invalid_argument("an image's content_hash must be its SHA-256 (32 bytes)")
-        spans.append(ImageSpan(image.content_hash, image.offset, image.num_tokens, image))
+        spans.append(ImageSpan(image.content_hash, image.offset, image.num_tokens, image, image.ByteSize()))
         end = image.offset + image.num_tokens
     return tuple(spans)
 

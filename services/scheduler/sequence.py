@@ -79,6 +79,7 @@ class ImageSpan:
     offset: int
     num_tokens: int
     message: Any
+    num_bytes: int = 0  # the message's size, pixels included
 
 
 @dataclass

@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 
 from services.common.errors import invalid_argument
-from services.tokenizer.media import MediaItem
+from services.common.media_parts import MAX_STEP_IMAGE_BYTES
+from services.tokenizer.media import MediaItem, MediaRefused
 
 FAMILIES = ("llava", "qwen2_vl")
 
@@ -63,9 +64,14 @@ class ImageProcessor:
                                    f"{len(images)} images")
         expanded: list[int] = []
         processed: list[ProcessedImage] = []
-        start = 0
+        start = num_bytes = 0
         for position, item in zip(positions, images):
             pixels, grid, num_tokens = self._process(item)
+            num_bytes += pixels.nbytes
+            if num_bytes > MAX_STEP_IMAGE_BYTES:
+                raise MediaRefused(f"the images come to more than {MAX_STEP_IMAGE_BYTES // 2**20} MiB of pixels "
+                                   "as the model's processor leaves them, the most one request may carry", 413,
+                                   where="messages")
             expanded += token_ids[start:position]
             processed.append(ProcessedImage(bytes.fromhex(item.sha256), len(expanded), num_tokens, pixels, grid))
             expanded += [self.image_token_id] * num_tokens

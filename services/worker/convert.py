@@ -40,18 +40,21 @@ def sampling_from_proto(message: worker_pb2.SamplingParams) -> SamplingParams:
 
 
 def image_from_proto(message: media_pb2.ImageInput) -> ImageInput:
-    """The pixels are viewed in place (one copy: out of the message), never converted."""
+    """The pixels (absent for an image in cached blocks) are viewed in place
+    (one copy: out of the message), never converted."""
     pixels = message.pixel_values
     shape = tuple(message.pixel_shape)
-    if not shape or not pixels or len(pixels) != 4 * math.prod(shape):
+    if len(pixels) != (4 * math.prod(shape) if shape else 0):
         raise invalid_argument(f"an image's pixel_values hold {len(pixels)} bytes, not float32 of shape {shape}")
     grid = tuple(message.grid_thw)
     if grid and len(grid) != 3:
         raise invalid_argument("an image's grid_thw must have 3 entries")
-    with warnings.catch_warnings():
-        # The view is read-only, as the bytes are; nothing writes to pixels.
-        warnings.filterwarnings("ignore", message="The given buffer is not writable")
-        pixel_values = torch.frombuffer(pixels, dtype=torch.float32).view(shape)
+    pixel_values = None
+    if pixels:
+        with warnings.catch_warnings():
+            # The view is read-only, as the bytes are; nothing writes to pixels.
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            pixel_values = torch.frombuffer(pixels, dtype=torch.float32).view(shape)
     return ImageInput(message.offset, message.num_tokens, pixel_values, grid or None)  # type: ignore[arg-type]
 
 

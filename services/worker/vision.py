@@ -41,7 +41,7 @@ class ImageInput:
 
     offset: int  # position of its first placeholder token in the sequence
     num_tokens: int  # placeholders it fills
-    pixel_values: torch.Tensor  # float32, the processor's shape
+    pixel_values: torch.Tensor | None  # float32, the processor's shape; None when not sent (cached)
     grid_thw: tuple[int, int, int] | None  # Qwen2-VL's patch grid; None for fixed-resolution towers
 
     @property
@@ -116,6 +116,7 @@ class VisionLanguageDecoder:
 
     def encode(self, image: ImageInput) -> torch.Tensor:
         """The vision tower and projector over one image: [num_tokens, hidden]."""
+        assert image.pixel_values is not None
         pixels = image.pixel_values.to(self.device, self.model.dtype)
         if self.is_mrope:
             grid = torch.tensor([image.grid_thw], dtype=torch.long, device=self.device)
@@ -161,6 +162,9 @@ class VisionLanguageDecoder:
                 raise invalid_argument(f"an image's span [{image.offset}, {image.end}) holds tokens other than "
                                        f"the image token {self.image_token_id}")
             if index not in images.embeddings:
+                if image.pixel_values is None:
+                    raise invalid_argument(f"the image at [{image.offset}, {image.end}) came without pixels "
+                                           "to a step that computes its tokens")
                 images.embeddings[index] = self.encode(image)
             embeds[rows] = images.embeddings[index][low - image.offset : high - image.offset].to(embeds.dtype)
             if high == image.end:  # no later step reads it

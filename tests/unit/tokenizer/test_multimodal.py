@@ -10,7 +10,7 @@ from PIL import Image
 from transformers import AutoConfig
 
 from services.common.errors import ServiceError
-from services.tokenizer.media import MediaItem
+from services.tokenizer.media import MediaItem, MediaRefused
 from services.tokenizer.multimodal import ImageProcessor
 from services.tokenizer.template import media_parts, message_to_dict
 from stormserve.chat.v1 import chat_pb2
@@ -82,3 +82,15 @@ def test_an_unknown_vision_family_is_refused_at_start(tmp_path):
     config.model_type = "idefics3"
     with pytest.raises(ValueError, match="not supported"):
         ImageProcessor(tmp_path, config)
+
+
+def test_a_request_whose_pixels_exceed_one_step_is_refused_with_413(tmp_path, monkeypatch):
+    directory = build_vlm("llava", tmp_path)
+    processor = ImageProcessor(directory, AutoConfig.from_pretrained(directory))
+    placeholder = processor.image_token_id
+    one_image = 3 * 56 * 56 * 4  # float32 pixels of LLaVA's 56 x 56 crop
+    monkeypatch.setattr("services.tokenizer.multimodal.MAX_STEP_IMAGE_BYTES", 2 * one_image)
+    processor.expand([placeholder, placeholder], [_item(56, 56), _item(60, 60)])
+    with pytest.raises(MediaRefused) as refused:
+        processor.expand([placeholder] * 3, [_item(56, 56)] * 3)
+    assert refused.value.status == 413 and refused.value.where == "messages"

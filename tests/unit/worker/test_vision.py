@@ -18,7 +18,7 @@ from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTo
 from services.common.errors import ServiceError
 from services.worker.backend import select_backend
 from services.worker.model_runner import ModelRunner
-from services.worker.sequence import SamplingParams
+from services.worker.sequence import SamplingParams, SequenceInput
 from services.worker.vision import ImageInput, VisionLanguageDecoder, mrope_positions
 from tests.unit.worker.block_tables import BlockTables
 from tests.vlm_models import FAMILIES, build_vlm
@@ -119,3 +119,30 @@ def test_mrope_positions_of_any_window_match_the_whole():
     assert whole[:, 15:].tolist() == [[10, 11, 12, 13, 14, 15]] * 3
     for start in range(0, 19, 3):
         assert torch.equal(mrope_positions(images, start, 3, merge_size=2), whole[:, start:start + 3])
+
+
+def test_an_image_in_cached_blocks_needs_no_pixels(family_dir):
+    family, directory = family_dir
+    ids, images, hf_kwargs = _prompt(directory, family, [_image(4, 84, 56)])
+    reference = AutoModelForImageTextToText.from_pretrained(directory, dtype=torch.float32,
+                                                            attn_implementation="sdpa").eval()
+    with torch.inference_mode():
+        if family == "qwen2_vl":
+            hf_kwargs["mm_token_type_ids"] = (torch.tensor([ids]) == reference.config.image_token_id).int()
+        expected = reference(input_ids=torch.tensor([ids]), **hf_kwargs).logits[0, -1]
+    runner = ModelRunner(directory, select_backend("cpu"), "float32", block_size=4, kv_cache_bytes=2**20,
+                         max_batch_size=4)
+    tables = BlockTables(runner)
+    greedy = SamplingParams(temperature=0.0)
+    runner.forward([dataclasses.replace(tables.feed(1, ids, 0, True, greedy), images=tuple(images))])
+    # A second sequence on the first one's full blocks past the image (a prefix-cache hit):
+    # its image comes without pixels, and its positions (M-RoPE's shift) still count it.
+    num_cached = images[0].end // 4 * 4 + 4
+    shared = tables.table(1, len(ids))[: num_cached // 4]
+    own = tables.table(2, len(ids) - num_cached)
+    no_pixels = tuple(dataclasses.replace(image, pixel_values=None) for image in images)
+    hit = SequenceInput(2, ids[num_cached:], num_cached, True, greedy, shared + own, images=no_pixels)
+    torch.testing.assert_close(runner.forward([hit])[0], expected, atol=1e-4, rtol=1e-4)
+    # A step that computes the image's tokens needs its pixels.
+    with pytest.raises(ServiceError, match="without pixels"):
+        runner.forward([dataclasses.replace(tables.feed(3, ids, 0, True, greedy), images=no_pixels)])

@@ -14,6 +14,7 @@ from transformers import (
     CLIPVisionConfig,
     LlamaConfig,
     LlavaConfig,
+    Qwen2_5_VLConfig,
     Qwen2VLConfig,
 )
 from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
@@ -21,7 +22,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 
 from services.common.model_files import default_model_path, resolve_model
 
-FAMILIES = ("llava", "qwen2_vl")
+FAMILIES = ("llava", "qwen2_vl", "qwen2_5_vl")
 QWEN_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 LLAVA_IMAGE_TOKEN = "<image>"
 # LLaVA: a 56 x 56 image in 14-pixel patches, CLS dropped: 16 tokens per image.
@@ -48,20 +49,24 @@ _TEMPLATE = (
 
 
 def build_vlm(family: str, directory: Path) -> Path:
-    """Write a tiny `family` model (llava or qwen2_vl) to `directory`; returns it."""
+    """Write a tiny `family` model (one of FAMILIES) to `directory`; returns it."""
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(default_model_path()))
     torch.manual_seed(0)
-    if family == "qwen2_vl":
+    if family in ("qwen2_vl", "qwen2_5_vl"):
         tokenizer.add_special_tokens({"additional_special_tokens": list(QWEN_TOKENS)})
         start, end, image, video = tokenizer.convert_tokens_to_ids(list(QWEN_TOKENS))
-        config = Qwen2VLConfig(
-            text_config=dict(**TEXT, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-                             eos_token_id=tokenizer.eos_token_id, rope_parameters={
-                "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}),
-            vision_config=dict(depth=2, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2, patch_size=14,
-                               spatial_merge_size=2, temporal_patch_size=2, in_channels=3),
-            vision_start_token_id=start, vision_end_token_id=end, image_token_id=image, video_token_id=video,
-        )
+        text = dict(**TEXT, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                    eos_token_id=tokenizer.eos_token_id,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+        tokens = dict(vision_start_token_id=start, vision_end_token_id=end, image_token_id=image,
+                      video_token_id=video)
+        if family == "qwen2_vl":
+            vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2)
+            config = Qwen2VLConfig(text_config=text, vision_config=vision, **tokens)
+        else:  # window attention over 56-pixel windows, the second block attending the whole image
+            vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=64,
+                          window_size=56, fullatt_block_indexes=[1])
+            config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, **tokens)
         # Up to 16 tokens an image (a 112 x 112 one); a 56 x 56 image gives 4.
         processor = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112)
         placeholder = "<|vision_start|><|image_pad|><|vision_end|>"

@@ -7,3 +7,7 @@ MAX_MEDIA_PARTS = 20  # image_url, video_url and audio_url parts per request (re
 # three quarters of a gRPC message (grpc_server.MAX_MESSAGE_BYTES, 64 MiB), the
 # rest left for the step's tokens and block tables.
 MAX_STEP_IMAGE_BYTES = 48 * 1024 * 1024
+# Vision-language model types served (config.json's model_type), and those of
+# them with dynamic resolution and multimodal rotary positions (Qwen2-VL's kind).
+VISION_MODEL_TYPES = ("llava", "qwen2_vl", "qwen2_5_vl")
+MROPE_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")

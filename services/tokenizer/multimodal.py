@@ -4,9 +4,10 @@ its vision tower takes, and each placeholder the chat template wrote becomes
 as many image tokens as the tower gives embeddings.
 
 Families: LLaVA-style (a fixed-resolution tower: one token per patch, plus
-the CLS token when the model keeps it) and Qwen2-VL (dynamic resolution: one
-token per merged patch of the image's own grid). Any other model whose config
-has a vision tower is refused at start-up, not at the first image.
+the CLS token when the model keeps it) and Qwen2-VL / Qwen2.5-VL (dynamic
+resolution: one token per merged patch of the image's own grid). Any other
+model whose config has a vision tower is refused at start-up, not at the
+first image.
 """
 from __future__ import annotations
 
@@ -16,11 +17,8 @@ from pathlib import Path
 import numpy as np
 
 from services.common.errors import invalid_argument
-from services.common.media_parts import MAX_STEP_IMAGE_BYTES
+from services.common.media_parts import MAX_STEP_IMAGE_BYTES, MROPE_MODEL_TYPES, VISION_MODEL_TYPES
 from services.tokenizer.media import MediaItem, MediaRefused
-
-FAMILIES = ("llava", "qwen2_vl")
-
 
 @dataclass(frozen=True)
 class ProcessedImage:
@@ -43,11 +41,11 @@ class ImageProcessor:
     def __init__(self, model_dir: Path, model_config):
         from transformers import AutoImageProcessor
 
-        if model_config.model_type not in FAMILIES:
+        if model_config.model_type not in VISION_MODEL_TYPES:
             raise ValueError(f"vision-language model type {model_config.model_type!r} is not supported "
-                             f"(supported: {', '.join(FAMILIES)})")
+                             f"(supported: {', '.join(VISION_MODEL_TYPES)})")
         self.processor = AutoImageProcessor.from_pretrained(model_dir)
-        self.is_dynamic = model_config.model_type == "qwen2_vl"
+        self.is_dynamic = model_config.model_type in MROPE_MODEL_TYPES
         self.image_token_id: int = model_config.image_token_id
         vision = model_config.vision_config
         self.merge_size: int = getattr(vision, "spatial_merge_size", 1)

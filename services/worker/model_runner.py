@@ -192,7 +192,8 @@ class ModelRunner:
         lean = LeanDecoder.supports(self.config)
         with torch.inference_mode():
             if has_vision_tower(self.config):
-                self.decoder: Decoder | VisionLanguageDecoder = VisionLanguageDecoder(model_dir, dtype_t, backend)
+                self.decoder: Decoder | VisionLanguageDecoder = VisionLanguageDecoder(
+                    self.config, model_dir, dtype_t, backend)
             elif lean and Checkpoint.available(model_dir):
                 self.decoder = LeanDecoder(self.config, Checkpoint(model_dir, dtype_t, backend.device),
                                                     backend)

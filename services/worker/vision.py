@@ -6,7 +6,7 @@ Two families, both through the HF modules of the loaded model (transformers'
 AutoModelForImageTextToText): the vision tower runs with SDPA, the language
 model with the worker's paged attention.
 - LLaVA-style (a CLIP-like tower, a projector, any causal LM): plain positions.
-- Qwen2-VL (dynamic resolution): the tower takes the image's patches and
+- Qwen2-VL and Qwen2.5-VL (dynamic resolution): the tower takes the image's patches and
   patch grid; the language model uses multimodal rotary positions (M-RoPE),
   three per token (temporal, height, width). Text tokens after an image sit at
   an offset from their place in the sequence, decode tokens included; the
@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from services.common.errors import invalid_argument
+from services.common.media_parts import MROPE_MODEL_TYPES, VISION_MODEL_TYPES
 from services.worker import attention
 from services.worker.backend import Backend
 
@@ -95,11 +96,14 @@ class VisionLanguageDecoder:
     """Logits for a packed step of a vision-language model; images of the
     sequences whose new tokens reach them are encoded and placed."""
 
-    def __init__(self, model_dir: Path, dtype: torch.dtype, backend: Backend):
+    def __init__(self, config, model_dir: Path, dtype: torch.dtype, backend: Backend):
         from transformers import AutoModelForImageTextToText
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
+        if config.model_type not in VISION_MODEL_TYPES:
+            raise ValueError(f"vision-language model type {config.model_type!r} is not supported "
+                             f"(supported: {', '.join(VISION_MODEL_TYPES)})")
         # Paged attention for the language model only: the tower attends within one image.
         self.model = AutoModelForImageTextToText.from_pretrained(
             model_dir, dtype=dtype, device_map=str(backend.device),
@@ -108,7 +112,7 @@ class VisionLanguageDecoder:
         self.config = self.model.config
         self.device = backend.device
         self.image_token_id: int = self.config.image_token_id
-        self.is_mrope = self.config.model_type == "qwen2_vl"
+        self.is_mrope = self.config.model_type in MROPE_MODEL_TYPES
         self.merge_size: int = getattr(self.config.vision_config, "spatial_merge_size", 1)
         self.embed_tokens = self.model.get_input_embeddings()
         self.language_model = self.model.model.language_model

@@ -2,7 +2,8 @@
 one chain per family (a tiny random-weight model, float32, 4-token KV blocks),
 images as data URIs, from the local media directory and from an HTTP server
 on loopback (the chain allows 127.0.0.1/32 for it), two images in one message,
-and the prefix cache keyed by image content.
+the prefix cache keyed by image content, and refused parts (a video, a bad
+data URI) as the documented 422 with the chain still serving.
 
 Random weights give no meaningful text, so the checks are on what the model
 saw: greedy log-probabilities are the same whichever way the same image
@@ -134,3 +135,20 @@ def test_prefix_cache_reuses_an_image_only_for_the_same_image(vlm):
     # Asked again, the other image now hits the blocks it computed, and its answer stands.
     assert _logprobs(_ask(client, _data_uri("b"), question=question)) == _logprobs(other)
     assert load().workers[0].num_cached_tokens > cached_before
+
+
+def test_refused_parts_get_the_documented_422(vlm):
+    _, _, client, _, _, _ = vlm
+    from openai import UnprocessableEntityError
+
+    model = client.models.list().data[0].id
+    for part, reason in (
+        ({"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}, "video_url and audio_url"),
+        ({"type": "image_url", "image_url": {"url": "data:image/png;base64,not base64!"}}, "messages[0].content[1]"),
+    ):
+        with pytest.raises(UnprocessableEntityError) as refused:
+            client.chat.completions.create(model=model, max_tokens=2, messages=[
+                {"role": "user", "content": [{"type": "text", "text": "Look:"}, part]}])
+        body = refused.value.response.json()
+        assert body["error_type"] == "Input Validation Error" and body["code"] == 422 and reason in body["error"]
+    assert _ask(client, _data_uri("a")).choices[0].finish_reason == "length"  # still serving

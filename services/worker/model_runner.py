@@ -374,7 +374,7 @@ class ModelRunner:
             generator = torch.Generator()  # CPU: the sampler draws one scalar per token
             generator.manual_seed(sampling.seed)
         state = SequenceState(sampling=sampling, generator=generator, num_prompt_tokens=s.num_prompt_tokens or None,
-                              images=SequenceImages(s.images) if s.images else None)
+                              images=SequenceImages(list(s.images)) if s.images else None)
         if sampling.grammar is not None:
             try:
                 state.matcher = self.guided.compile(sampling.grammar)

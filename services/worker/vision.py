@@ -21,7 +21,9 @@ that covers an image skips it: its embeddings are never needed.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -53,9 +55,10 @@ class ImageInput:
 @dataclass
 class SequenceImages:
     """A sequence's images, in position order, and the embeddings of those a
-    prefill has reached but not yet passed."""
+    prefill has reached but not yet passed. An image's pixels go once a step
+    has passed it: a long decode holds its span and grid only."""
 
-    images: tuple[ImageInput, ...]
+    images: list[ImageInput]
     embeddings: dict[int, torch.Tensor] = field(default_factory=dict)  # image index -> [num_tokens, hidden]
 
 
@@ -68,7 +71,7 @@ def check_images(images: tuple[ImageInput, ...], seq_id: int) -> None:
         end = image.end
 
 
-def mrope_positions(images: tuple[ImageInput, ...], start: int, count: int, merge_size: int) -> torch.Tensor:
+def mrope_positions(images: Sequence[ImageInput], start: int, count: int, merge_size: int) -> torch.Tensor:
     """Qwen2-VL's (temporal, height, width) positions of sequence positions
     [start, start + count): [3, count]. As transformers' get_rope_index: text
     tokens count on from the last position; an image's tokens sit on its
@@ -146,7 +149,7 @@ class VisionLanguageDecoder:
             if images is not None:
                 self._place(embeds, input_ids, row, images, start, count)
             if mrope is not None:
-                mrope.append(mrope_positions(images.images if images else (), start, count, self.merge_size))
+                mrope.append(mrope_positions(images.images if images else [], start, count, self.merge_size))
             row += count
         positions = step.positions[None] if mrope is None else torch.cat(mrope, dim=1)[:, None].to(self.device)
         hidden = self.language_model(
@@ -173,3 +176,4 @@ class VisionLanguageDecoder:
             embeds[rows] = images.embeddings[index][low - image.offset : high - image.offset].to(embeds.dtype)
             if high == image.end:  # no later step reads it
                 del images.embeddings[index]
+                images.images[index] = dataclasses.replace(image, pixel_values=None)

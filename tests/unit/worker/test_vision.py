@@ -95,7 +95,8 @@ def test_logits_match_transformers(family_dir):
             end = s.num_computed_tokens + len(s.token_ids)
             want = expected[end - 1] if s.seq_id == 1 else expected_text[end - 1]
             torch.testing.assert_close(logits[row], want, atol=1e-4, rtol=1e-4)
-    assert runner.sequences[1].images.embeddings == {}  # both images passed: nothing kept
+    kept = runner.sequences[1].images  # both images passed: no embeddings, no pixels kept
+    assert kept.embeddings == {} and all(image.pixel_values is None for image in kept.images)
 
 
 def test_image_span_must_hold_image_tokens(family_dir):

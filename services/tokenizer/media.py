@@ -72,11 +72,12 @@ class MediaFetcher:
             raise ValueError(f"unknown media kind {kind!r}")
         reader = ItemReader(kind, self.policy.max_bytes(kind), budget)
         try:
-            if url[:5].lower() == "data:":
+            scheme = url[:8].lower()
+            if scheme.startswith("data:"):
                 await asyncio.to_thread(self._read_data_uri, kind, url, reader)
-            elif url[:7].lower() in ("http://", "https:/"):
+            elif scheme.startswith(("http://", "https://")):
                 await self.http.fetch(url, reader)
-            elif url.startswith("/") or url[:7].lower() == "file://":
+            elif url.startswith("/") or scheme.startswith("file://"):
                 await asyncio.to_thread(self._read_local, kind, url, reader)
             else:
                 raise MediaRefused("must be an http(s) URL, a data: URI, or a path under the media directory")
@@ -90,8 +91,8 @@ class MediaFetcher:
             raise MediaRefused(f"a data URI must read data:{kind}/<subtype>;base64,<data>")
         major, subtype = match.group(1).lower(), match.group(2).lower()
         if major != kind or subtype not in _SUBTYPES[kind]:
-            raise MediaRefused(f"a {kind} data URI must be one of {', '.join(sorted(_SUBTYPES[kind]))} "
-                               f"({kind}/<subtype>), got {major}/{subtype}")
+            raise MediaRefused(f"the data URI of a {kind} part must be {kind}/ one of "
+                               f"{', '.join(sorted(_SUBTYPES[kind]))}, got {major}/{subtype}")
         payload = url[match.end():]
         reader.check_declared(len(payload) // 4 * 3)
         try:

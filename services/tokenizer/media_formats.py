@@ -118,8 +118,8 @@ def _wav_seconds(data: bytes) -> float | None:
         if chunk_id == b"fmt " and end - body >= 12:
             byte_rate = struct.unpack_from("<I", data, body + 8)[0]
         elif chunk_id == b"data" and byte_rate:
-            # The declared size: a header may claim more than the bytes sent.
-            return struct.unpack_from("<I", data, body - 4)[0] / byte_rate
+            # The samples present (a streamed WAV declares 0xFFFFFFFF bytes; a decoder reads what is there).
+            return (end - body) / byte_rate
     return None
 
 

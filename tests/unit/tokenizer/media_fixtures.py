@@ -48,13 +48,13 @@ def gif(num_frames: int) -> bytes:
     return out.getvalue()
 
 
-def wav(seconds: float, rate: int = 8000) -> bytes:
-    """A PCM WAV header declaring `seconds` of 8-bit mono, with only its first second of samples."""
+def wav(seconds: float, rate: int = 200, declared_bytes: int | None = None) -> bytes:
+    """`seconds` of 8-bit mono PCM; the header may declare another size (a streamed WAV's 0xFFFFFFFF)."""
     size = int(seconds * rate)
     fmt = struct.pack("<HHIIHH", 1, 1, rate, rate, 1, 8)
-    samples = b"\x80" * min(size, rate)
-    return (b"RIFF" + struct.pack("<I", 36 + size) + b"WAVE" + b"fmt " + struct.pack("<I", len(fmt)) + fmt
-            + b"data" + struct.pack("<I", size) + samples)
+    declared = size if declared_bytes is None else declared_bytes
+    return (b"RIFF" + struct.pack("<I", (36 + declared) & 0xFFFFFFFF) + b"WAVE" + b"fmt " + struct.pack("<I", len(fmt))
+            + fmt + b"data" + struct.pack("<I", declared) + b"\x80" * size)
 
 
 def mp4(seconds: int, timescale: int = 1000) -> bytes:

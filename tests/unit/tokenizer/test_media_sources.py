@@ -39,6 +39,8 @@ def test_data_uris_of_the_documented_types_are_decoded() -> None:
         assert (await fetcher.fetch("image", data_uri("image/jpg", jpeg()), WHERE)).format == "jpeg"
         audio = await fetcher.fetch("audio", data_uri("audio/wav", wav(2)), "messages[0].content[0].audio_url")
         assert (audio.format, audio.image) == ("wav", None) and audio.data == wav(2)
+        streamed = wav(30, declared_bytes=0xFFFFFFFF)  # the samples present count, not the placeholder
+        assert (await fetcher.fetch("audio", data_uri("audio/x-wav", streamed), WHERE)).format == "wav"
         assert (await fetcher.fetch("video", data_uri("video/mp4", mp4(10)), WHERE)).format == "mp4"
 
     asyncio.run(scenario())

@@ -147,3 +147,19 @@ def test_an_image_in_cached_blocks_needs_no_pixels(family_dir):
     # A step that computes the image's tokens needs its pixels.
     with pytest.raises(ServiceError, match="without pixels"):
         runner.forward([dataclasses.replace(tables.feed(3, ids, 0, True, greedy), images=no_pixels)])
+
+
+def test_bfloat16_stays_close_to_float32(family_dir):
+    """The worker's default dtype: the tower, the projector and the paged language
+    model in bfloat16, within bfloat16's rounding of the float32 logits."""
+    family, directory = family_dir
+    ids, images, _ = _prompt(directory, family, [_image(5, 70, 100)])
+    logits = {}
+    for dtype in ("float32", "bfloat16"):
+        runner = ModelRunner(directory, select_backend("cpu"), dtype, block_size=4, kv_cache_bytes=2**20,
+                             max_batch_size=4)
+        tables = BlockTables(runner)
+        first = dataclasses.replace(tables.feed(1, ids, 0, True, SamplingParams(temperature=0.0)),
+                                    images=tuple(images))
+        logits[dtype] = torch.cat([runner.forward([first]), runner.forward([tables.feed(1, [5], len(ids), True)])])
+    torch.testing.assert_close(logits["bfloat16"].float(), logits["float32"], atol=0.02, rtol=0.02)

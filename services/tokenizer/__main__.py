@@ -8,11 +8,12 @@ from transformers import AutoConfig, AutoTokenizer
 from services.common.config import load_config
 from services.common.grpc_server import GrpcService, channel, is_serving
 from services.common.log import setup_logging
+from services.common.media_parts import has_vision_tower
 from services.common.metrics import process_registry, serve_metrics_in_thread
 from services.common.supervisor import exit_with_supervisor
 from services.common.model_files import resolve_model
 from services.tokenizer.config import TokenizerConfig
-from services.tokenizer.multimodal import ImageProcessor, has_vision_tower
+from services.tokenizer.multimodal import ImageProcessor
 from services.tokenizer.server import ChatServicer, SchedulerClient, TokenizerCore, TokenizerServicer
 from stormserve.chat.v1 import chat_pb2, chat_pb2_grpc
 from stormserve.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc

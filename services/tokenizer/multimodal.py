@@ -31,10 +31,6 @@ class ProcessedImage:
     grid_thw: tuple[int, int, int] | None  # Qwen2-VL's patch grid
 
 
-def has_vision_tower(model_config) -> bool:
-    return getattr(model_config, "vision_config", None) is not None
-
-
 class ImageProcessor:
     """The model's image processor and its placeholder expansion."""
 

@@ -24,6 +24,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from services.common.errors import invalid_argument
+from services.common.media_parts import has_vision_tower
 from services.worker import attention, sampler
 from services.worker.backend import Backend, torch_dtype
 from services.worker.checkpoint import Checkpoint
@@ -32,7 +33,7 @@ from services.worker.guided import GrammarError, GuidedDecoding
 from services.worker.kv_cache import KVCachePool, KVCacheSpec
 from services.worker.penalties import apply_penalties
 from services.worker.sequence import SampledToken, SamplingParams, SequenceInput, StepResult
-from services.worker.vision import SequenceImages, VisionLanguageDecoder, check_images, has_vision_tower
+from services.worker.vision import SequenceImages, VisionLanguageDecoder, check_images
 
 log = logging.getLogger(__name__)
 

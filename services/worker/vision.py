@@ -34,10 +34,6 @@ from services.worker import attention
 from services.worker.backend import Backend
 
 
-def has_vision_tower(config) -> bool:
-    return getattr(config, "vision_config", None) is not None
-
-
 @dataclass(frozen=True)
 class ImageInput:
     """One image of a sequence, as the model's image processor left it."""

@@ -16,7 +16,8 @@ model with the worker's paged attention.
 Chunked prefill may split an image across steps: the step that first reaches
 one of its placeholders encodes the whole image and keeps the embeddings with
 the sequence (SequenceImages) until a step has passed its last placeholder, so
-the tower runs once per image, however the chunks fall. A prefix-cache hit
+the tower runs once per image, however the chunks fall. The images a step
+reaches, across its sequences, go through the tower in one call. A prefix-cache hit
 that covers an image skips it: its embeddings are never needed.
 """
 from __future__ import annotations
@@ -117,27 +118,28 @@ class VisionLanguageDecoder:
         self.language_model = self.model.model.language_model
         self.lm_head = self.model.lm_head
 
-    def encode(self, image: ImageInput) -> torch.Tensor:
-        """The vision tower and projector over one image: [num_tokens, hidden]."""
-        assert image.pixel_values is not None
-        pixels = image.pixel_values.to(self.device, self.model.dtype)
-        if self.is_mrope:
-            grid = torch.tensor([image.grid_thw], dtype=torch.long, device=self.device)
-            features = self.model.model.get_image_features(pixels, grid).pooler_output[0]
-        else:
-            features = self.model.model.get_image_features(
-                pixel_values=pixels[None], vision_feature_layer=self.config.vision_feature_layer,
+    def encode(self, images: list[ImageInput]) -> list[torch.Tensor]:
+        """The vision tower and projector over images in one call: [num_tokens, hidden] each."""
+        pixels = [image.pixel_values.to(self.device, self.model.dtype) for image in images]  # type: ignore[union-attr]
+        if self.is_mrope:  # patches of every image back to back, told apart by their grids
+            grids = torch.tensor([image.grid_thw for image in images], dtype=torch.long, device=self.device)
+            features = list(self.model.model.get_image_features(torch.cat(pixels), grids).pooler_output)
+        else:  # one crop size: a batch
+            features = list(self.model.model.get_image_features(
+                pixel_values=torch.stack(pixels), vision_feature_layer=self.config.vision_feature_layer,
                 vision_feature_select_strategy=self.config.vision_feature_select_strategy,
-            ).pooler_output[0]
-        if features.shape[0] != image.num_tokens:
-            raise invalid_argument(
-                f"an image gives {features.shape[0]} embeddings but has {image.num_tokens} placeholder tokens")
+            ).pooler_output)
+        for image, feature in zip(images, features):
+            if feature.shape[0] != image.num_tokens:
+                raise invalid_argument(
+                    f"an image gives {feature.shape[0]} embeddings but has {image.num_tokens} placeholder tokens")
         return features
 
     def __call__(self, input_ids: torch.Tensor, step: attention.PagedStep, logit_rows: torch.Tensor,
                  sequences: list[tuple[SequenceImages | None, int, int]]) -> torch.Tensor:
         """`sequences`: per sequence of the step, in packed order, its images (None
         without), the position of its first new token and its new token count."""
+        self._encode_reached(sequences)
         embeds = self.embed_tokens(input_ids)  # [T, hidden]
         mrope = [] if self.is_mrope else None
         row = 0
@@ -153,6 +155,24 @@ class VisionLanguageDecoder:
         ).last_hidden_state[0]
         return self.lm_head(hidden.index_select(0, logit_rows))
 
+    def _encode_reached(self, sequences: list[tuple[SequenceImages | None, int, int]]) -> None:
+        """Encode, in one tower call, every image the step's new tokens reach
+        that its sequence does not hold the embeddings of yet."""
+        reached: list[tuple[SequenceImages, int]] = []
+        for images, start, count in sequences:
+            if images is None:
+                continue
+            for index, image in enumerate(images.images):
+                if image.offset < start + count and start < image.end and index not in images.embeddings:
+                    if image.pixel_values is None:
+                        raise invalid_argument(f"the image at [{image.offset}, {image.end}) came without pixels "
+                                               "to a step that computes its tokens")
+                    reached.append((images, index))
+        if reached:
+            features = self.encode([images.images[index] for images, index in reached])
+            for (images, index), feature in zip(reached, features):
+                images.embeddings[index] = feature
+
     def _place(self, embeds: torch.Tensor, input_ids: torch.Tensor, row: int, images: SequenceImages,
                start: int, count: int) -> None:
         end = start + count
@@ -164,11 +184,6 @@ class VisionLanguageDecoder:
             if not bool((input_ids[rows] == self.image_token_id).all()):
                 raise invalid_argument(f"an image's span [{image.offset}, {image.end}) holds tokens other than "
                                        f"the image token {self.image_token_id}")
-            if index not in images.embeddings:
-                if image.pixel_values is None:
-                    raise invalid_argument(f"the image at [{image.offset}, {image.end}) came without pixels "
-                                           "to a step that computes its tokens")
-                images.embeddings[index] = self.encode(image)
             embeds[rows] = images.embeddings[index][low - image.offset : high - image.offset].to(embeds.dtype)
             if high == image.end:  # no later step reads it
                 del images.embeddings[index]

@@ -1,9 +1,9 @@
-"""Vision-language models on the worker: tiny random-weight LLaVA and Qwen2-VL
-models give the logits of transformers' own forward of the same model
-(float32, pixels from the model's own image processor), with the prompt's
-prefill chunked so that one image spans two steps, a text-only sequence in
-the same packed steps, and decode steps after it (Qwen2-VL: the M-RoPE
-position offset an image leaves)."""
+"""Vision-language models on the worker: tiny random-weight LLaVA, Qwen2-VL
+and Qwen2.5-VL models give the logits of transformers' own forward of the
+same model (float32, pixels from the model's own image processor), with the
+prompt's prefill chunked so that one image spans two steps, a text-only
+sequence and images of several sequences in the same packed steps, and decode
+steps after it (Qwen2-VL: the M-RoPE position offset an image leaves)."""
 from __future__ import annotations
 
 import dataclasses
@@ -81,20 +81,26 @@ def test_logits_match_transformers(family_dir):
     runner = ModelRunner(directory, select_backend("cpu"), "float32", block_size=4, kv_cache_bytes=2**20,
                          max_batch_size=4)
     assert isinstance(runner.decoder, VisionLanguageDecoder)
+    tower_calls = []  # images per call of the real tower
+    encode = runner.decoder.encode
+    runner.decoder.encode = lambda reached: tower_calls.append(len(reached)) or encode(reached)
     tables = BlockTables(runner)
     greedy = SamplingParams(temperature=0.0)
     first = tables.feed(1, ids[:images[0].offset + 3], 0, False, greedy)  # ends inside the first image
+    # Step 2 reaches three images at once (seq 1's second, seq 3's two): one tower call.
+    whole = dataclasses.replace(tables.feed(3, ids, 0, True, greedy), images=tuple(images))
     steps = [
         [dataclasses.replace(first, images=tuple(images)), tables.feed(2, text_ids[:5], 0, True, greedy)],
         [tables.feed(1, ids[len(first.token_ids):], len(first.token_ids), True),
-         tables.feed(2, text_ids[5:], 5, True)],
+         tables.feed(2, text_ids[5:], 5, True), whole],
     ] + [[tables.feed(1, [token], len(ids) + i, True)] for i, token in enumerate(generated)]
     for step in steps:
         logits = runner.forward(step)
         for row, s in enumerate(s for s in step if s.sample):
             end = s.num_computed_tokens + len(s.token_ids)
-            want = expected[end - 1] if s.seq_id == 1 else expected_text[end - 1]
+            want = expected_text[end - 1] if s.seq_id == 2 else expected[end - 1]
             torch.testing.assert_close(logits[row], want, atol=1e-4, rtol=1e-4)
+    assert tower_calls == [1, 3]  # each image encoded once, however the chunks fell
     kept = runner.sequences[1].images  # both images passed: no embeddings, no pixels kept
     assert kept.embeddings == {} and all(image.pixel_values is None for image in kept.images)
 

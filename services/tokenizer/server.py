@@ -73,8 +73,6 @@ def _check_beam_search(request: chat_pb2.ChatRequest) -> None:
         raise invalid_argument("use_beam_search cannot be combined with " + ", ".join(conflicts))
 
 
-
-
 def _generate_request(request: chat_pb2.ChatRequest, request_id: str, prompt: RenderedPrompt, arrival_us: int,
                       grammar: scheduler_pb2.Grammar | None,
                       thinking_budget: scheduler_pb2.ThinkingBudget | None) -> scheduler_pb2.GenerateRequest:

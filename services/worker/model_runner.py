@@ -196,8 +196,7 @@ class ModelRunner:
                 self.decoder: Decoder | VisionLanguageDecoder = VisionLanguageDecoder(
                     self.config, model_dir, dtype_t, backend)
             elif lean and Checkpoint.available(model_dir):
-                self.decoder = LeanDecoder(self.config, Checkpoint(model_dir, dtype_t, backend.device),
-                                                    backend)
+                self.decoder = LeanDecoder(self.config, Checkpoint(model_dir, dtype_t, backend.device), backend)
             else:
                 model = _load_hf_model(model_dir, dtype_t, backend)
                 self.decoder = LeanDecoder(self.config, model.state_dict(), backend) if lean else _hf_decoder(model)

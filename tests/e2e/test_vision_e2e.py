@@ -2,8 +2,9 @@
 one chain per family (a tiny random-weight model, float32, 4-token KV blocks),
 images as data URIs, from the local media directory and from an HTTP server
 on loopback (the chain allows 127.0.0.1/32 for it), two images in one message,
-the prefix cache keyed by image content, and refused parts (a video, a bad
-data URI) as the documented 422 with the chain still serving.
+the prefix cache keyed by image content, choices forked from a prompt with an
+image, and refused parts (a video, a bad data URI) as the documented 422 with
+the chain still serving.
 
 Random weights give no meaningful text, so the checks are on what the model
 saw: greedy log-probabilities are the same whichever way the same image
@@ -152,3 +153,23 @@ def test_refused_parts_get_the_documented_422(vlm):
         body = refused.value.response.json()
         assert body["error_type"] == "Input Validation Error" and body["code"] == 422 and reason in body["error"]
     assert _ask(client, _data_uri("a")).choices[0].finish_reason == "length"  # still serving
+
+
+def test_choices_share_the_prompt_with_its_image(vlm):
+    """n = 2: the siblings fork from the first sequence's prompt blocks, so their
+    image reaches the worker without pixels; each choice's first token comes
+    from the same distribution as a single answer's."""
+    _, _, client, _, _, _ = vlm
+    content = [{"type": "text", "text": "Two answers, please."},
+               {"type": "image_url", "image_url": {"url": _data_uri("c")}}]
+
+    def first_token_logprobs(n: int):
+        completion = client.chat.completions.create(
+            model=client.models.list().data[0].id, temperature=1, seed=5, max_tokens=2, logprobs=True,
+            top_logprobs=3, n=n, messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": content}])
+        return completion, [[(t.token, round(t.logprob, 4)) for t in choice.logprobs.content[0].top_logprobs]
+                            for choice in completion.choices]
+
+    single, (expected,) = first_token_logprobs(1)
+    both, choices = first_token_logprobs(2)
+    assert choices == [expected, expected] and both.usage.prompt_tokens == single.usage.prompt_tokens

@@ -70,6 +70,7 @@ class BeamSteps:
             seq_id=search.next_seq_id(),
             request_id=parent.request_id,
             prompt_token_ids=parent.prompt_token_ids,
+            images=parent.images,
             sampling=parent.sampling,
             stopping=parent.stopping,
             arrival_us=parent.arrival_us,

@@ -28,8 +28,11 @@ def run(tree: Path, extra: list[str]) -> dict:
     env = {**os.environ, "PYTHONPATH": f"{tree / 'gen'}{os.pathsep}{tree}"}
     # step_time.py from this tree, the worker from `tree`: its directory is not on sys.path.
     code = f"import runpy, sys; sys.argv = ['step_time', *{extra!r}]; runpy.run_path({str(STEP_TIME)!r}, run_name='__main__')"
-    out = subprocess.run([sys.executable, "-c", code], cwd=tree, env=env, capture_output=True, text=True, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    out = subprocess.run([sys.executable, "-c", code], cwd=tree, env=env, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"step_time failed in {tree}:\n{out.stderr[-3000:]}")
+    # The figures' line; a tensor-parallel run's other ranks may log after it.
+    return json.loads([line for line in out.stdout.splitlines() if line.startswith('{"dtype"')][-1])
 
 
 def main() -> None:

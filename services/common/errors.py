@@ -10,17 +10,23 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
+from google.rpc import error_details_pb2, status_pb2
 
 log = logging.getLogger(__name__)
+# A google.rpc.Status code as the grpc library names it.
+STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
 class ServiceError(Exception):
-    """Raised by domain code; the interceptor answers with `code` and the message."""
+    """Raised by domain code; the interceptor answers with `code` and the message,
+    and with `error_reason` (when set) as a google.rpc.ErrorInfo in the status
+    details, for a caller that must tell apart refusals of one code."""
 
-    def __init__(self, code: grpc.StatusCode, message: str):
+    def __init__(self, code: grpc.StatusCode, message: str, error_reason: str = ""):
         super().__init__(message)
         self.code = code
         self.message = message
+        self.error_reason = error_reason
 
 
 def invalid_argument(message: str) -> ServiceError:
@@ -28,6 +34,13 @@ def invalid_argument(message: str) -> ServiceError:
 
 
 INTERNAL_ERROR = "internal error"
+
+# The rich status (google.rpc.Status with an ErrorInfo of this domain) rides in
+# this trailer of a plain RPC and is the `end` of a multiplexed call.
+STATUS_DETAILS_KEY = "grpc-status-details-bin"
+ERROR_DOMAIN = "stormserve"
+# ErrorInfo reasons. An INVALID_ARGUMENT whose input is larger than allowed (HTTP 413).
+PAYLOAD_TOO_LARGE = "PAYLOAD_TOO_LARGE"
 
 # Codes our services raise on purpose with a message written for the client
 # (the prompt is too long, the model is unknown, the queue is full...).
@@ -105,6 +118,32 @@ def status_of(exc: BaseException, request_id: str = "") -> tuple[grpc.StatusCode
     return grpc.StatusCode.INTERNAL, INTERNAL_ERROR
 
 
+def status_proto(exc: BaseException, request_id: str = "") -> status_pb2.Status:
+    """`status_of` as a google.rpc.Status, with the ErrorInfo of a ServiceError's reason."""
+    code, message = status_of(exc, request_id)
+    status = status_pb2.Status(code=code.value[0], message=message)
+    if isinstance(exc, ServiceError) and exc.error_reason:
+        status.details.add().Pack(error_details_pb2.ErrorInfo(reason=exc.error_reason, domain=ERROR_DOMAIN))
+    return status
+
+
+def status_trailers(status: status_pb2.Status) -> tuple[tuple[str, bytes], ...]:
+    """The trailing metadata that carries `status`'s details (none without details)."""
+    return ((STATUS_DETAILS_KEY, status.SerializeToString()),) if status.details else ()
+
+
+def error_reason(trailing_metadata: Any) -> str:
+    """The ErrorInfo reason of our domain in a call's status details, "" if none."""
+    for key, value in trailing_metadata or ():
+        if key != STATUS_DETAILS_KEY or not isinstance(value, bytes):
+            continue
+        for detail in status_pb2.Status.FromString(value).details:
+            info = error_details_pb2.ErrorInfo()
+            if detail.Unpack(info) and info.domain == ERROR_DOMAIN:
+                return info.reason
+    return ""
+
+
 def request_id_of(request: Any) -> str:
     """The `request_id` of a Chat or Generate request, "" for anything else."""
     request_id = getattr(request, "request_id", "")
@@ -112,7 +151,8 @@ def request_id_of(request: Any) -> str:
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, request: Any) -> None:
-    await context.abort(*status_of(exc, request_id_of(request)))
+    status = status_proto(exc, request_id_of(request))
+    await context.abort(STATUS_CODES[status.code], status.message, status_trailers(status))
 
 
 def _wrap_unary(fn: Callable[[Any, Any], Awaitable[Any]]):

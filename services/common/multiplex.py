@@ -21,6 +21,10 @@ UNAVAILABLE, running calls go on, a stream ends once its calls are done, and
 calls still running at the drain timeout end with UNAVAILABLE naming it;
 `CallMultiplexer` is the client, whose calls read like grpc.aio's
 UnaryStreamCall (`read`, `async for`, `cancel`, errors as AioRpcError).
+
+A start message's `metadata` is what a per-request RPC carries in its headers:
+the caller's trace context (services/common/tracing.py), in which the
+handler then runs, on either RPC.
 """
 from __future__ import annotations
 
@@ -34,14 +38,15 @@ from typing import Any
 import grpc
 from google.rpc import status_pb2
 
+from services.common import tracing
 from services.common.drain import Drain
-from services.common.errors import DRAIN_REFUSED, request_id_of, status_of
+from services.common.errors import (
+    DRAIN_REFUSED, STATUS_CODES, request_id_of, status_of, status_proto, status_trailers)
 
-_CODES = {code.value[0]: code for code in grpc.StatusCode}
 
-
-def _error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
+def _error(code: grpc.StatusCode, details: str,
+           trailers: tuple[tuple[str, bytes], ...] = ()) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(*trailers), details=details)
 
 
 def _status(code: grpc.StatusCode, message: str = "") -> status_pb2.Status:
@@ -67,7 +72,8 @@ async def serve_calls(requests: AsyncIterator[Any], handle: Callable[[Any], Asyn
         outbox.append(event)
         wake.set()
 
-    async def run(call_id: int, request: Any) -> None:
+    async def run(call_id: int, request: Any, metadata: Any) -> None:
+        tracing.attach(tracing.extract(metadata))  # this task's own context: never detached
         try:
             with drain.carrying(asyncio.current_task()) if drain is not None else nullcontext():
                 async for response in handle(request):
@@ -78,7 +84,7 @@ async def serve_calls(requests: AsyncIterator[Any], handle: Callable[[Any], Asyn
                 raise  # cancelled by the caller: it expects nothing more
             end = _status(*status_of(drain.expiry_error()))
         except Exception as exc:  # noqa: BLE001 - becomes the call's status, as the interceptor does
-            end = _status(*status_of(exc, request_id_of(request)))
+            end = status_proto(exc, request_id_of(request))
         finally:
             calls.pop(call_id, None)
         emit(event_type(call_id=call_id, end=end))
@@ -97,7 +103,7 @@ async def serve_calls(requests: AsyncIterator[Any], handle: Callable[[Any], Asyn
                         emit(event_type(call_id=message.call_id,
                                         end=_status(grpc.StatusCode.UNAVAILABLE, drain.refusal())))
                         continue
-                    calls[message.call_id] = asyncio.create_task(run(message.call_id, message.start))
+                    calls[message.call_id] = asyncio.create_task(run(message.call_id, message.start, message.metadata))
                 elif action == "cancel" and (task := calls.pop(message.call_id, None)) is not None:
                     task.cancel()
             requests_done = True  # the caller will start nothing more; running calls go on
@@ -141,6 +147,8 @@ def call_method(handle: Callable[[Any, Any], AsyncIterator[Any]]):
     async def method(self, request, context):
         drain = _drain_of(self)
         drain.refuse_new()
+        if tracing.enabled:
+            tracing.attach(tracing.extract(context.invocation_metadata()))  # the call's own task
         try:
             with drain.carrying(asyncio.current_task()):
                 async for response in handle(self, request):
@@ -191,7 +199,9 @@ class MultiplexedCall:
         self._timer = None
         self._max_buffered_bytes = max_buffered_bytes
         self._buffered_bytes = 0
-        self._request: Any = None  # what started it, to start it again if a draining server refused it
+        # What started it, to start it again if a draining server refused it.
+        self._request: Any = None
+        self._metadata: dict[str, str] = {}
         self._received = False
         self._resent = False
         if timeout_s is not None:
@@ -301,10 +311,11 @@ class CallMultiplexer:
         """Start a call; a `timeout_s` deadline cancels it and reads DEADLINE_EXCEEDED,
         more than `max_buffered_bytes` unread cancels it and reads RESOURCE_EXHAUSTED."""
         call = MultiplexedCall(lambda: None, timeout_s, max_buffered_bytes)
-        self._send(call, request)
+        call._request, call._metadata = request, tracing.inject()
+        self._send(call)
         return call
 
-    def _send(self, call: MultiplexedCall, request: Any) -> None:
+    def _send(self, call: MultiplexedCall) -> None:
         """Start `call` on the open stream (opening one if none is)."""
         stream = self._stream
         if stream is None:
@@ -317,9 +328,8 @@ class CallMultiplexer:
                 stream.outgoing.put_nowait(self._request_type(call_id=call_id, cancel=True))
 
         call._cancel = cancel
-        call._request = request
         stream.calls[call_id] = call
-        stream.outgoing.put_nowait(self._request_type(call_id=call_id, start=request))
+        stream.outgoing.put_nowait(self._request_type(call_id=call_id, start=call._request, metadata=call._metadata))
 
     def _resend_refused(self, stream: _Stream, call: MultiplexedCall, end: status_pb2.Status) -> bool:
         """A call the server refused because it drains never started: the stream
@@ -332,7 +342,7 @@ class CallMultiplexer:
         if self._stream is stream:
             self._stream = None
         call._resent = True
-        self._send(call, call._request)
+        self._send(call)
         return True
 
     async def _read(self, stream: _Stream) -> None:
@@ -351,8 +361,8 @@ class CallMultiplexer:
                     end = event.end
                     if self._resend_refused(stream, call, end):
                         continue
-                    call._finish(None if end.code == 0 else _error(_CODES.get(end.code, grpc.StatusCode.UNKNOWN),
-                                                                   end.message))
+                    call._finish(None if end.code == 0 else _error(
+                        STATUS_CODES.get(end.code, grpc.StatusCode.UNKNOWN), end.message, status_trailers(end)))
         except grpc.aio.AioRpcError as exc:
             error = exc
         finally:

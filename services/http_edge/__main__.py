@@ -4,6 +4,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from services.common.config import load_config
+from services.common import tracing
 from services.common.log import setup_logging
 from services.common.supervisor import exit_with_supervisor
 from services.http_edge.config import EdgeConfig
@@ -13,6 +14,7 @@ from services.http_edge.server import run
 def main(argv: Sequence[str] | None = None) -> None:
     exit_with_supervisor()
     setup_logging("http_edge")
+    tracing.setup("edge")
     run(load_config(EdgeConfig, argv))
 
 

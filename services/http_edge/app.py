@@ -64,13 +64,16 @@ def create_app(config: EdgeConfig, backend: ChatBackend | None = None) -> FastAP
         docs_url=None,
         redoc_url=None,
         openapi_url=None,
+        # The request's server span is ObserveMiddleware's (observe.py), which wraps the
+        # whole reply, refusals included; FastAPI's own would be a second one.
+        telemetry={"tracing": False},
     )
     app.state.config = config
     app.state.backend = backend
     app.state.drain = Drain("http_edge")
     app.add_middleware(RefuseWhileDraining, drain=app.state.drain)
     install_error_handlers(app)
-    metrics = EdgeMetrics()
+    metrics = app.state.metrics = EdgeMetrics()
     app.add_middleware(ObserveMiddleware, metrics=metrics)
     chat_completions = ChatCompletions(config, backend)
     api_keys = load_api_keys(config)

@@ -12,6 +12,7 @@ otherwise (422 validation, 413 body size, 503 unavailable, 404 route).
 | bad JSON, bad field, unknown model        | 422  | Input Validation Error | 422  |
 | gRPC INVALID_ARGUMENT, NOT_FOUND          | 422  | Input Validation Error | 422  |
 | body above maxRequestLength               | 413  | Payload Too Large      | 413  |
+| gRPC INVALID_ARGUMENT, PAYLOAD_TOO_LARGE¹ | 413  | Payload Too Large      | 413  |
 | gRPC OUT_OF_RANGE (prompt too long)       | 424  | Generation Error       | 9999 |
 | gRPC UNAVAILABLE, RESOURCE_EXHAUSTED      | 503  | Service Unavailable    | 503  |
 | e2eTimeout passed (request_timeout_s)     | 500  | Incomplete Generation  | 802  |
@@ -24,6 +25,9 @@ otherwise (422 validation, 413 body size, 503 unavailable, 404 route).
 | malformed HTTP (request line, framing)    | 400  | Bad Request            | 400  |
 | head above max_header_kib / max_headers   | 431  | Request Header Fields Too Large | 431 |
 | head or body slower than its read timeout | 408  | Request Timeout        | 408  |
+
+¹ the status's google.rpc.ErrorInfo reason (services.common.errors): a
+media part over its byte cap.
 
 400, 431 and the head's 408 are answered by the HTTP protocol itself
 (http_protocol.py), the body's 408 by `read_body`; all four close the connection.
@@ -46,11 +50,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from services.common.errors import INTERNAL_ERROR, client_message
+from services.common.errors import INTERNAL_ERROR, PAYLOAD_TOO_LARGE, client_message, error_reason
 
 log = logging.getLogger(__name__)
 
 INPUT_VALIDATION = "Input Validation Error"
+TOO_LARGE = "Payload Too Large"
 GENERATION = "Generation Error"
 INCOMPLETE = "Incomplete Generation"
 UNAVAILABLE = "Service Unavailable"
@@ -93,7 +98,7 @@ def invalid_input(message: str) -> EdgeError:
 
 def body_too_large(limit_mib: int) -> EdgeError:
     message = f"Request body too large. Maximum allowed size is {limit_mib}MB."
-    return EdgeError(413, "Payload Too Large", message)
+    return EdgeError(413, TOO_LARGE, message)
 
 
 def bad_http(reason: str) -> EdgeError:
@@ -138,13 +143,16 @@ _GRPC_TO_HTTP: dict[grpc.StatusCode, tuple[int, str, int | None]] = {
 }
 
 
-def from_grpc(code: grpc.StatusCode, details: str | None) -> EdgeError:
+def from_grpc(code: grpc.StatusCode, details: str | None, reason: str = "") -> EdgeError:
+    """The answer to a gRPC status; `reason` is its ErrorInfo reason (services.common.errors)."""
     status, error_type, doc_code = _GRPC_TO_HTTP.get(code, (500, INCOMPLETE, CODE_GENERATION))
+    if code == grpc.StatusCode.INVALID_ARGUMENT and reason == PAYLOAD_TOO_LARGE:
+        status, error_type = 413, TOO_LARGE
     return EdgeError(status, error_type, client_message(code, details), doc_code)
 
 
 def from_rpc_error(exc: grpc.aio.AioRpcError) -> EdgeError:
-    return from_grpc(exc.code(), exc.details())
+    return from_grpc(exc.code(), exc.details(), error_reason(exc.trailing_metadata()))
 
 
 def from_chat_error(code: int, message: str, error_type: str) -> EdgeError:

@@ -31,6 +31,7 @@ from uvicorn.server import ServerState
 
 from services.http_edge.config import EdgeConfig
 from services.http_edge.errors import EdgeError, bad_http, head_too_large, read_timeout
+from services.http_edge.metrics import EdgeMetrics
 
 log = logging.getLogger(__name__)
 
@@ -46,15 +47,17 @@ SEND_BUFFER_BYTES = 256 * 1024
 
 
 class EdgeHttpProtocol(HttpToolsProtocol):
-    """Built per connection by uvicorn; `limits` is bound by `for_config`."""
+    """Built per connection by uvicorn; `limits` and `metrics` are bound by `for_config`."""
 
     limits: ClassVar[EdgeConfig]
+    metrics: ClassVar[EdgeMetrics | None] = None
 
     @classmethod
-    def for_config(cls, config: EdgeConfig) -> type[EdgeHttpProtocol]:
-        """A subclass bound to `config`: uvicorn builds protocols from a class
-        and its own Config, so the edge's limits travel as a class attribute."""
-        return type(cls.__name__, (cls,), {"limits": config})
+    def for_config(cls, config: EdgeConfig, metrics: EdgeMetrics | None = None) -> type[EdgeHttpProtocol]:
+        """A subclass bound to `config` and the app's metrics (which count its
+        refusals): uvicorn builds protocols from a class and its own Config, so
+        they travel as class attributes."""
+        return type(cls.__name__, (cls,), {"limits": config, "metrics": metrics})
 
     def __init__(self, config: Config, server_state: ServerState, app_state: dict[str, Any],
                  _loop: asyncio.AbstractEventLoop | None = None) -> None:
@@ -188,6 +191,8 @@ class EdgeHttpProtocol(HttpToolsProtocol):
             return
         peer = "%s:%d" % self.client if self.client else "a client"
         log.info("refused %s: %d %s", peer, error.status, error.message)
+        if self.metrics is not None:
+            self.metrics.record_refusal(error)
         if self._in_flight():
             # A pipelined request failed while an earlier response is being
             # written: an answer now would corrupt that response.

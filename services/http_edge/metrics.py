@@ -6,8 +6,10 @@ full queue is refused, and counted, by the scheduler). Every request passes
 one edge, so a sum over edge replicas counts each once. The engine-level
 `vllm:` series come from the scheduler, never from here.
 
-Not counted: what the HTTP protocol answers itself before the app sees a
-request (malformed HTTP 400, 431, the head's 408; see http_protocol.py).
+What the HTTP protocol answers itself before the app sees a request
+(malformed HTTP 400, a head too large 431, a late head 408; see
+http_protocol.py) is counted too, under route `unparsed` and method `_OTHER`:
+no route was matched, and the method may not have been read.
 """
 from __future__ import annotations
 
@@ -49,6 +51,14 @@ class EdgeMetrics:
     def record(self, method: str, route: str, status: int, error: EdgeError | None, duration_s: float) -> None:
         self.http_requests.labels(method, route, str(status)).inc()
         self.http_duration.labels(route).observe(duration_s)
+        self._count_rejection(status, error)
+
+    def record_refusal(self, error: EdgeError) -> None:
+        """A refusal of the HTTP protocol itself, before any route (no duration: nothing ran)."""
+        self.http_requests.labels("_OTHER", "unparsed", str(error.status)).inc()
+        self._count_rejection(error.status, error)
+
+    def _count_rejection(self, status: int, error: EdgeError | None) -> None:
         reason = rejection_reason(status, error)
         if reason is not None:
             self.rejected.labels(reason).inc()

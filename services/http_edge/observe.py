@@ -5,9 +5,13 @@ back in `X-Request-Id` on every answer, errors included, so the id in a log
 line is the one the client saw. When the app is done (a whole stream
 included) one line goes to the `stormserve.access` logger: method, path,
 status, model, tokens in and out, time to the first token, duration, request
-id, trace id (from a W3C `traceparent` header) and, for an error, its type and
-code. With STORMSERVE_LOG_FORMAT=json the line is a JSON object whose keys are
-those fields.
+id, trace id and, for an error, its type and code. With
+STORMSERVE_LOG_FORMAT=json the line is a JSON object whose keys are those fields.
+
+With tracing on (services/common/tracing.py) every request is a server span,
+child of the client's W3C `traceparent` when it sent one, and the calls it makes
+carry it on; the trace id logged is that span's. With tracing off, the trace id
+logged is the one of a valid `traceparent` header.
 """
 from __future__ import annotations
 
@@ -15,9 +19,11 @@ import logging
 import time
 from dataclasses import dataclass
 
+from opentelemetry import trace
 from stormserve.chat.v1 import chat_pb2
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from services.common import tracing
 from services.http_edge.convert import new_request_id
 from services.http_edge.metrics import EdgeMetrics
 
@@ -52,7 +58,7 @@ def record_of(scope: Scope) -> RequestRecord | None:
     return scope.get(RECORD_SCOPE_KEY)
 
 
-def trace_id(scope: Scope) -> str | None:
+def header_trace_id(scope: Scope) -> str | None:
     """The trace id of a valid W3C `traceparent` header (version-traceid-spanid-flags)."""
     for name, value in scope.get("headers", ()):
         if name == b"traceparent":
@@ -64,6 +70,36 @@ def trace_id(scope: Scope) -> str | None:
                     return None
                 return parts[1]
     return None
+
+
+def _trace_headers(scope: Scope) -> dict[str, str]:
+    return {name.decode("latin-1"): value.decode("latin-1") for name, value in scope.get("headers", ())
+            if name in (b"traceparent", b"tracestate")}
+
+
+def _end_span(span: trace.Span, scope: Scope, record: RequestRecord, status: int, template: str) -> None:
+    """The server span's attributes (HTTP and OpenTelemetry gen_ai conventions), then its end."""
+    span.update_name(f"{scope['method']} {template}")
+    attributes = {
+        "http.request.method": scope["method"],
+        "url.path": scope.get("path", ""),
+        "http.route": template,
+        "http.response.status_code": status,
+        "stormserve.request_id": record.request_id,
+    }
+    if record.model:
+        attributes.update({"gen_ai.operation.name": "chat", "gen_ai.request.model": record.model,
+                           "gen_ai.response.id": record.request_id})
+    if record.prompt_tokens is not None:
+        attributes["gen_ai.usage.input_tokens"] = record.prompt_tokens
+    if record.completion_tokens is not None:
+        attributes["gen_ai.usage.output_tokens"] = record.completion_tokens
+    if record.first_token_s is not None:
+        attributes["gen_ai.latency.time_to_first_token"] = record.first_token_s
+    span.set_attributes(attributes)
+    if status >= 500:
+        span.set_status(trace.StatusCode.ERROR)
+    span.end()
 
 
 class ObserveMiddleware:
@@ -80,6 +116,11 @@ class ObserveMiddleware:
         record = RequestRecord(new_request_id(), time.monotonic())
         scope[RECORD_SCOPE_KEY] = record
         status = 500  # an exception that escapes every handler ends as a 500
+        span = token = None
+        if tracing.enabled:
+            parent = tracing.extract(_trace_headers(scope))
+            span = tracing.tracer.start_span(f"{scope['method']}", context=parent, kind=trace.SpanKind.SERVER)
+            token = tracing.attach(trace.set_span_in_context(span))
 
         async def noting_send(message: Message) -> None:
             nonlocal status
@@ -97,15 +138,21 @@ class ObserveMiddleware:
             template = getattr(route, "path", None) or "unmatched"
             error = scope.get(ERROR_SCOPE_KEY)
             self.metrics.record(scope["method"], template, status, error, duration_s)
+            trace_id = header_trace_id(scope)
+            if span is not None:
+                tracing.detach(token)
+                _end_span(span, scope, record, status, template)
+                trace_id = tracing.trace_id_hex(span)
             if access_log.isEnabledFor(logging.INFO):
-                _log_access(scope, record, status, error, duration_s)
+                _log_access(scope, record, status, error, duration_s, trace_id)
 
 
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1000, 1)
 
 
-def _log_access(scope: Scope, record: RequestRecord, status: int, error, duration_s: float) -> None:
+def _log_access(scope: Scope, record: RequestRecord, status: int, error, duration_s: float,
+                trace_id: str | None) -> None:
     fields = {
         "method": scope["method"],
         "path": scope.get("path", ""),
@@ -116,7 +163,7 @@ def _log_access(scope: Scope, record: RequestRecord, status: int, error, duratio
         "ttft_ms": _ms(record.first_token_s),
         "duration_ms": _ms(duration_s),
         "request_id": record.request_id,
-        "trace_id": trace_id(scope),
+        "trace_id": trace_id,
     }
     if error is not None:
         fields["error_type"], fields["error_code"] = error.error_type, error.code

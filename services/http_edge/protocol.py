@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import AliasChoices, Field, Tag, field_validator, model_validator
 
+from services.common.media_parts import MAX_MEDIA_PARTS
 from services.common.template_kwargs import reserved_key
 from services.http_edge.validation import (
     LIST,
@@ -31,7 +32,6 @@ from services.http_edge.validation import (
 
 INT32_MAX = 2**31 - 1
 UINT64_MAX = 2**64 - 1
-MAX_MEDIA_PARTS = 20  # per request (reference §9.10)
 MAX_MESSAGES_CHARS = 4 * 1024 * 1024  # docs 001: messages <= 4 MB of characters
 MAX_STOP_ITEMS = 1024
 MAX_STOP_CHARS = 1024

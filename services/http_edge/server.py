@@ -84,7 +84,7 @@ def build_server(config: EdgeConfig) -> DrainingServer:
             # asyncio's transport cost the edge about 10 % more CPU (measured at 32 streams).
             # The httptools protocol comes with the edge's header limits and read timeouts.
             loop="uvloop",
-            http=EdgeHttpProtocol.for_config(config),
+            http=EdgeHttpProtocol.for_config(config, app.state.metrics),
             log_config=None,  # keep services.common.log's format
             access_log=False,  # observe.py writes the one access line per request
             timeout_graceful_shutdown=FINAL_S,

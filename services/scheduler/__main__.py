@@ -6,6 +6,7 @@ import itertools
 
 from services.common.config import load_config
 from services.common.grpc_server import GrpcService
+from services.common import tracing
 from services.common.log import setup_logging
 from services.common.metrics import serve_metrics
 from services.common.supervisor import exit_with_supervisor
@@ -26,6 +27,7 @@ async def main() -> None:
     exit_with_supervisor()
     config = load_config(SchedulerConfig)
     log = setup_logging("scheduler")
+    tracing.setup("scheduler")
 
     # Off when metrics_port is 0: then nothing is recorded. The collector reads the
     # router's list of engines, which discovery changes in place.

@@ -9,10 +9,14 @@ under a hash chained over every token up to its end, so a later sequence whose
 tokens start the same way reuses it (reference counted). A block whose last
 reference goes stays cached but evictable; blocks are taken from the never- or
 no-longer-cached ones first, then the least recently freed cached ones (LRU).
+A vision-language model's image placeholder tokens are keyed with the image's
+content hash (Sequence.cache_keys): the same text with another image never
+shares KV, the same image does.
 """
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 from services.scheduler.sequence import Sequence
@@ -27,11 +31,11 @@ class Block:
     # Set while the block is in the prefix cache: its chain hash and own tokens
     # (compared on lookup, so a hash collision is a miss, never wrong KV).
     hash: int | None = None
-    token_ids: tuple[int, ...] = ()
+    token_ids: tuple[Hashable, ...] = ()
 
 
-def chain_hashes(token_ids: list[int], block_size: int) -> list[tuple[int, tuple[int, ...]]]:
-    """(chain hash, tokens) of every full block of `token_ids`, in order."""
+def chain_hashes(token_ids: list[Hashable], block_size: int) -> list[tuple[int, tuple[Hashable, ...]]]:
+    """(chain hash, tokens) of every full block of `token_ids` (cache keys), in order."""
     chain, parent = [], _ROOT_HASH
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         tokens = tuple(token_ids[start : start + block_size])
@@ -62,8 +66,8 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     # -- prefix cache ----------------------------------------------------------
-    def match_prefix(self, token_ids: list[int]) -> list[int]:
-        """Block ids of the longest cached prefix of `token_ids` (full blocks only).
+    def match_prefix(self, token_ids: list[Hashable]) -> list[int]:
+        """Block ids of the longest cached prefix of `token_ids` (cache keys; full blocks only).
 
         Never the whole sequence: at least its last token is left to compute, so
         the step that feeds it has logits to sample from."""
@@ -75,14 +79,14 @@ class BlockManager:
             matched.append(block_id)
         return matched
 
-    def num_cached_tokens(self, token_ids: list[int]) -> int:
+    def num_cached_tokens(self, token_ids: list[Hashable]) -> int:
         """Tokens of `token_ids` a new sequence would find in the cache (read-only)."""
         return len(self.match_prefix(token_ids)) * self.block_size
 
     def allocate_prefix(self, seq: Sequence, use_cache: bool = True) -> int:
         """Start a sequence's table with its cached prefix; returns the cached token count."""
         assert not seq.block_table, f"seq {seq.seq_id} already holds blocks"
-        matched = self.match_prefix(seq.all_token_ids) if use_cache else []
+        matched = self.match_prefix(seq.cache_keys) if use_cache else []
         for block_id in matched:
             block = self.blocks[block_id]
             if block.ref_count == 0:
@@ -131,7 +135,7 @@ class BlockManager:
             return
         start = len(seq.block_hashes) * self.block_size
         parent = seq.block_hashes[-1] if seq.block_hashes else _ROOT_HASH
-        tokens_all = seq.all_token_ids
+        tokens_all = seq.cache_keys
         for index in range(len(seq.block_hashes), num_full):
             tokens = tuple(tokens_all[start : start + self.block_size])
             parent = hash((parent, tokens))

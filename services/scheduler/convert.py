@@ -12,6 +12,7 @@ from services.scheduler.config import SchedulerConfig
 from services.scheduler.engine import EngineLoop
 from services.scheduler.sequence import (
     FinishReason,
+    ImageSpan,
     SamplingParams,
     Sequence,
     StoppingCriteria,
@@ -65,6 +66,7 @@ def to_sequences(request: scheduler_pb2.GenerateRequest, next_seq_id: Callable[[
             seq_id=first.seq_id if i == 0 else next_seq_id(),
             request_id=first.request_id,
             prompt_token_ids=list(first.prompt_token_ids),
+            images=first.images,
             sampling=dataclasses.replace(sampling, seed=sibling_seed(sampling.seed, i)),
             stopping=first.stopping,
             arrival_us=first.arrival_us,
@@ -92,7 +94,7 @@ def _beam_search(first: Sequence, n: int, width: int, next_seq_id: Callable[[], 
     sampling = SamplingParams(temperature=0.0, top_logprobs=max(2 * width, report_top))
     results = [
         Sequence(seq_id=next_seq_id(), request_id=first.request_id, prompt_token_ids=first.prompt_token_ids,
-                 sampling=sampling, stopping=first.stopping, arrival_us=first.arrival_us, index=i)
+                 images=first.images, sampling=sampling, stopping=first.stopping, arrival_us=first.arrival_us, index=i)
         for i in range(n)
     ]
     search = BeamSearch(width, results, next_seq_id, top_logprobs=report_top)
@@ -151,10 +153,24 @@ def to_sequence(request: scheduler_pb2.GenerateRequest, seq_id: int, config: Sch
         seq_id=seq_id,
         request_id=request.request_id,
         prompt_token_ids=prompt,
+        images=_image_spans(request, len(prompt)),
         sampling=sampling,
         stopping=stopping,
         arrival_us=request.arrival_time_us or now_us,
     )
+
+
+def _image_spans(request: scheduler_pb2.GenerateRequest, num_prompt_tokens: int) -> tuple[ImageSpan, ...]:
+    """The request's images; their spans must lie in the prompt, in order."""
+    spans, end = [], 0
+    for image in request.images:
+        if image.offset < end or image.num_tokens < 1 or image.offset + image.num_tokens > num_prompt_tokens:
+            raise invalid_argument("images must fill non-empty spans of the prompt, in order, not overlapping")
+        if len(image.content_hash) != 32:
+            raise invalid_argument("an image's content_hash must be its SHA-256 (32 bytes)")
+        spans.append(ImageSpan(image.content_hash, image.offset, image.num_tokens, image, image.ByteSize()))
+        end = image.offset + image.num_tokens
+    return tuple(spans)
 
 
 def to_response(update: ChoiceUpdate, choices: Choices) -> scheduler_pb2.GenerateResponse:

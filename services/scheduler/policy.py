@@ -36,6 +36,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
+from services.common.media_parts import MAX_STEP_IMAGE_BYTES
 from services.scheduler.beam import BeamSearch
 from services.scheduler.beam_steps import BeamSteps
 from services.scheduler.block_manager import BlockManager
@@ -115,7 +116,7 @@ class BatchPolicy(BeamSteps):
         """Prompt tokens `seq` would reuse here (for placement across workers)."""
         if seq.sampling.needs_full_history:
             return 0
-        return self.blocks.num_cached_tokens(seq.prompt_token_ids)
+        return self.blocks.num_cached_tokens(seq.prompt_cache_keys)
 
     @property
     def num_free_blocks(self) -> int:
@@ -162,11 +163,16 @@ class BatchPolicy(BeamSteps):
         if not batch and not self._is_computing and self.running and self.waiting:
             self._unblock_beam_search()
         # No admissions in a step that preempted: the room is for those already running.
+        image_bytes = 0  # what the admitted sequences' images add to the step's message
         while self.waiting and not has_preempted and budget > 0 and len(batch) < self.max_batch_size:
             seq = self.waiting[0]
+            seq_image_bytes = sum(image.num_bytes for image in seq.images)
+            if image_bytes and image_bytes + seq_image_bytes > MAX_STEP_IMAGE_BYTES:
+                break  # its images ride the next step
             if not self._admit(seq, budget, batch):
                 break  # first come, first served: never skip the head
             budget -= batch[-1].num_new_tokens
+            image_bytes += seq_image_bytes
         if not batch and not self._to_release and not self._copies:
             return None
         plan = StepPlan(self._next_step_id, batch, self._to_release, list(self._copies.values()))

@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from services.scheduler.beam import BeamSearch
@@ -67,6 +68,20 @@ class StoppingCriteria:
     thinking_budget: ThinkingBudget | None = None
 
 
+@dataclass(frozen=True)
+class ImageSpan:
+    """An image of a vision-language model's prompt: the placeholder tokens
+    [offset, offset + num_tokens) it fills, and the content hash the prefix
+    cache keys them by. `message` is the image as the worker gets it (a
+    media.v1 ImageInput, pixels included), passed on untouched."""
+
+    content_hash: bytes
+    offset: int
+    num_tokens: int
+    message: Any
+    num_bytes: int = 0  # the message's size, pixels included
+
+
 @dataclass
 class TokenEvent:
     """One generated token and the statistics the API reports for it."""
@@ -121,6 +136,10 @@ class Sequence:
     # Request timing for the metrics (0 = not yet): first admitted to a batch, first token out.
     first_scheduled_us: int = 0
     first_token_us: int = 0
+    # With tracing on: the W3C traceparent of the request's span, sent to the worker.
+    traceparent: str = ""
+    # A vision-language model's images, in prompt order; sent to the worker with the sampling.
+    images: tuple[ImageSpan, ...] = ()
 
     def __post_init__(self) -> None:
         self.last_event_us = self.last_event_us or self.arrival_us
@@ -140,3 +159,23 @@ class Sequence:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def prompt_cache_keys(self) -> list[Hashable]:
+        """The prompt as the prefix cache keys it: an image's placeholder tokens
+        paired with its content hash, so the same text with another image is
+        another prefix, and the same image the same one."""
+        if not self.images:
+            return list(self.prompt_token_ids)
+        keys: list[Hashable] = list(self.prompt_token_ids)
+        for image in self.images:
+            end = image.offset + image.num_tokens
+            keys[image.offset : end] = [(token, image.content_hash) for token in keys[image.offset : end]]
+        return keys
+
+    @property
+    def cache_keys(self) -> list[Hashable]:
+        """all_token_ids as the prefix cache keys them (see prompt_cache_keys)."""
+        if not self.images:
+            return self.all_token_ids
+        return self.prompt_cache_keys + self.output_token_ids

@@ -7,10 +7,13 @@ from __future__ import annotations
 import logging
 
 import grpc
+from opentelemetry import trace
 
+from services.common import tracing
 from services.common.drain import Drain
 from services.common.errors import ServiceError
 from services.common.multiplex import call_method, multiplexed_method
+from services.scheduler import spans
 from services.scheduler.choices import Choices
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.convert import to_response, to_sequences, to_worker_load
@@ -33,13 +36,21 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         self._queue_full = metrics.rejected.labels("queue_full") if metrics is not None else None
 
     async def _generate(self, request):
+        with tracing.span("generate", trace.SpanKind.SERVER) as span:
+            async for response in self._respond(request, span):
+                yield response
+
+    async def _respond(self, request, span):
+        started_us = now_us()
         if sum(e.load for e in self.router.engines) >= self.config.max_queue_size:
             if self._queue_full is not None:
                 self._queue_full.inc()
             raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, "the request queue is full")
         if request.request_id in self._live:
             raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request {request.request_id} is already running")
-        seqs, choices = to_sequences(request, self.router.next_seq_id, self.config, now_us())
+        seqs, choices = to_sequences(request, self.router.next_seq_id, self.config, started_us)
+        if span is not None:
+            spans.carry(span, seqs)
         # Siblings share the prompt's KV blocks, so they all run on one worker.
         engine = self.router.place(seqs[0])
         try:
@@ -65,11 +76,14 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             if choices.unfinished:
                 engine.abort(choices.unfinished)
             engine.detach(request.request_id)
+            finished_us = now_us()
             if engine.metrics is not None:
-                finished_us = now_us()
                 for seq in choices.seqs:
                     reason = "error" if failed else seq.finish_reason.value if seq.finish_reason else "abort"
                     engine.metrics.on_finished(seq, reason, finished_us)
+            if span is not None:
+                spans.end_request(span, started_us, self.config.model_name, choices.seqs,
+                                  request.n if request.HasField("n") else 1, failed, finished_us)
 
     Generate = call_method(_generate)
     GenerateStream = multiplexed_method(_generate, scheduler_pb2.GenerateStreamResponse,

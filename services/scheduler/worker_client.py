@@ -108,6 +108,7 @@ def _sequence_step(entry: ScheduledSequence) -> worker_pb2.SequenceStep:
     )
     if entry.sends_sampling:
         step.num_prompt_tokens = seq.num_prompt_tokens
+        step.traceparent = seq.traceparent
         s = seq.sampling
         step.sampling.CopyFrom(
             worker_pb2.SamplingParams(
@@ -124,6 +125,13 @@ def _sequence_step(entry: ScheduledSequence) -> worker_pb2.SequenceStep:
         if s.grammar is not None:
             kind, source = s.grammar  # GrammarKind numbers are the same in both packages
             step.sampling.grammar.CopyFrom(worker_pb2.Grammar(kind=kind, source=source))
+        for image in seq.images:
+            if image.offset + image.num_tokens > entry.num_computed_tokens:
+                # The message as the request brought it: one copy into the step, no re-encoding.
+                step.images.append(image.message)
+            else:  # in cached or shared blocks: the worker needs its span (and grid) only
+                step.images.add(content_hash=image.content_hash, offset=image.offset, num_tokens=image.num_tokens,
+                                grid_thw=image.message.grid_thw)
     return step
 
 

@@ -7,11 +7,14 @@ from transformers import AutoConfig, AutoTokenizer
 
 from services.common.config import load_config
 from services.common.grpc_server import GrpcService, channel, is_serving
+from services.common import tracing
 from services.common.log import setup_logging
+from services.common.media_parts import has_vision_tower
 from services.common.metrics import process_registry, serve_metrics_in_thread
 from services.common.supervisor import exit_with_supervisor
 from services.common.model_files import resolve_model
 from services.tokenizer.config import TokenizerConfig
+from services.tokenizer.multimodal import ImageProcessor
 from services.tokenizer.server import ChatServicer, SchedulerClient, TokenizerCore, TokenizerServicer
 from stormserve.chat.v1 import chat_pb2, chat_pb2_grpc
 from stormserve.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
@@ -23,15 +26,18 @@ async def main() -> None:
     exit_with_supervisor()
     config = load_config(TokenizerConfig)
     log = setup_logging("tokenizer")
+    tracing.setup("tokenizer")
     service = GrpcService("tokenizer", config.host, config.port, config.drain_timeout_s)
     if config.metrics_port:
         serve_metrics_in_thread(process_registry(), config.host, config.metrics_port)
     model_dir = await asyncio.to_thread(resolve_model, config.model_path)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model_config = AutoConfig.from_pretrained(model_dir)
+    text_config = model_config.get_text_config()
+    images = ImageProcessor(model_dir, model_config) if has_vision_tower(model_config) else None
     core = TokenizerCore(config, tokenizer, str(model_dir),
-                         getattr(model_config, "max_position_embeddings", config.max_seq_len),
-                         model_type=getattr(model_config, "model_type", "") or "")
+                         getattr(text_config, "max_position_embeddings", config.max_seq_len),
+                         model_type=getattr(model_config, "model_type", "") or "", images=images)
     # Render processes start before the service says it is serving, not on the first requests.
     await asyncio.to_thread(core.prompts.warm_up)
     scheduler_channel = channel(config.scheduler_address)

@@ -1,6 +1,8 @@
 """Tokenizer/template service configuration (reference names in `alias`)."""
 from __future__ import annotations
 
+import ipaddress
+import os
 from dataclasses import dataclass
 
 from services.common.config import require, setting
@@ -45,6 +47,28 @@ class TokenizerConfig:
     render_processes: int = setting(
         2, "processes rendering the model's chat template, [1, 64]; request-supplied templates get one more")
     drain_timeout_s: float = drain_timeout_setting()
+    # Media parts (image_url, video_url, audio_url): media.py.
+    allowed_media_domains: tuple[str, ...] = setting(
+        (), "comma list of the exact host names media URLs may name (MindIE's ALLOWED_MEDIA_DOMAINS_ENV); "
+        "empty = any host whose addresses are public")
+    media_dir: str = setting("/data/multimodal_inputs/", "directory local media paths must lie in (no symlinks)")
+    media_allowed_networks: tuple[str, ...] = setting(
+        (), "comma list of non-public networks (CIDR: 10.0.0.0/8, 127.0.0.1/32) media URLs may reach; "
+        "empty = public addresses only (no loopback, private, link-local, CGNAT, multicast, reserved)")
+    max_request_mib: int = setting(
+        40, "largest image or audio item in MiB, [1, 100] (the edge's body limit of the same name)",
+        alias="maxRequestLength")
+    max_video_mib: int = setting(512, "largest video item in MiB, [1, 4096]")
+    max_request_media_mib: int = setting(1000, "most MiB of media one request may bring, [1, 65536]")
+    media_connect_timeout_s: float = setting(5.0, "seconds to connect to a media server, (0, 600]")
+    media_read_timeout_s: float = setting(30.0, "seconds a media server may send nothing, (0, 600]")
+    media_fetch_timeout_s: float = setting(
+        60.0, "seconds one media fetch may take in all, redirects included, (0, 3600]")
+    max_image_pixels: int = setting(
+        89478485, "largest image (width x height) decoded, [1, 89478485] (PIL's own limit)")
+    max_media_frames: int = setting(1000, "most frames of an animated image or a video, [1, 100000]")
+    max_media_seconds: float = setting(600.0, "longest video or audio in seconds, (0, 86400]")
+    media_cache_mib: int = setting(256, "MiB of fetched media kept by content hash, [0, 65536]")
 
     def __post_init__(self) -> None:
         require(0 <= self.metrics_port <= 65535, f"metrics_port must be in [0, 65535], got {self.metrics_port}")
@@ -61,3 +85,19 @@ class TokenizerConfig:
         require(1 <= self.render_processes <= 64, "render_processes must be in [1, 64]")
         require("</think>" in self.early_stopping_text, "early_stopping_text must contain </think>")
         check_drain_timeout(self.drain_timeout_s)
+        require(1 <= self.max_request_mib <= 100, "max_request_mib (maxRequestLength) must be in [1, 100]")
+        require(1 <= self.max_video_mib <= 4096, "max_video_mib must be in [1, 4096]")
+        require(1 <= self.max_request_media_mib <= 65536, "max_request_media_mib must be in [1, 65536]")
+        for name in ("media_connect_timeout_s", "media_read_timeout_s"):
+            require(0 < getattr(self, name) <= 600, f"{name} must be in (0, 600]")
+        require(0 < self.media_fetch_timeout_s <= 3600, "media_fetch_timeout_s must be in (0, 3600]")
+        require(1 <= self.max_image_pixels <= 89478485, "max_image_pixels must be in [1, 89478485]")
+        require(1 <= self.max_media_frames <= 100000, "max_media_frames must be in [1, 100000]")
+        require(0 < self.max_media_seconds <= 86400, "max_media_seconds must be in (0, 86400]")
+        require(0 <= self.media_cache_mib <= 65536, "media_cache_mib must be in [0, 65536]")
+        require(os.path.isabs(self.media_dir), "media_dir must be an absolute path")
+        for network in self.media_allowed_networks:
+            try:
+                ipaddress.ip_network(network, strict=False)
+            except ValueError:
+                require(False, f"media_allowed_networks: {network!r} is not a network (CIDR)")

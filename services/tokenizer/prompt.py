@@ -13,8 +13,10 @@ import grpc
 from services.common.errors import ServiceError, invalid_argument
 from services.common.template_kwargs import REQUEST_TEMPLATE_KEY
 from services.tokenizer.config import TokenizerConfig
+from services.tokenizer.media import MediaFetcher, MediaPolicy
+from services.tokenizer.multimodal import ImageProcessor
 from services.tokenizer.render_pool import RenderCrashed, RenderLane, RenderTimeout
-from services.tokenizer.template import RenderedPrompt, reject_unsafe_kwargs, render_jobs
+from services.tokenizer.template import RenderedPrompt, media_parts, reject_unsafe_kwargs, render_jobs
 from stormserve.chat.v1 import chat_pb2
 
 log = logging.getLogger(__name__)
@@ -40,10 +42,14 @@ def too_long(limit: int, length: str) -> ServiceError:
 
 
 class PromptBuilder:
-    def __init__(self, config: TokenizerConfig, tokenizer, max_input_tokens: int):
+    def __init__(self, config: TokenizerConfig, tokenizer, max_input_tokens: int,
+                 images: ImageProcessor | None = None):
+        """`images`: a vision-language model's image processor; None refuses media parts."""
         self.config = config
         self.tokenizer = tokenizer
         self.max_input_tokens = max_input_tokens
+        self.images = images
+        self.media = MediaFetcher(MediaPolicy.from_config(config)) if images is not None else None
         # More characters than this can never fit max_input_tokens tokens.
         self.max_chars = max_input_tokens * longest_token_chars(tokenizer) * CHARS_MARGIN
         self.model_lane = RenderLane("model", config.render_processes, config.template_timeout_s,
@@ -68,7 +74,10 @@ class PromptBuilder:
         reject_unsafe_kwargs(template_kwargs, self.request_lane is not None)
         lane = self.request_lane if REQUEST_TEMPLATE_KEY in template_kwargs else self.model_lane
         jobs = render_jobs(self.tokenizer, list(messages), list(tools), template_kwargs, add_generation_prompt,
-                           self.max_chars)
+                           self.max_chars, accepts_images=self.images is not None)
+        # Checked and fetched before the render: a refused part costs no render.
+        parts = media_parts(list(messages))
+        items = await self.media.fetch_all(parts) if parts and self.media is not None else []
         answer = await self._render(lane, jobs[0])
         if answer.get("error_type") == "TypeError" and len(jobs) > 1:
             answer = await self._render(lane, jobs[1])
@@ -80,7 +89,10 @@ class PromptBuilder:
         text = answer["text"]
         token_ids = await asyncio.get_running_loop().run_in_executor(
             None, lambda: self.tokenizer.encode(text, add_special_tokens=False))
-        return RenderedPrompt(text=text, token_ids=token_ids)
+        if self.images is None:
+            return RenderedPrompt(text=text, token_ids=token_ids)
+        token_ids, images = await asyncio.to_thread(self.images.expand, token_ids, items)
+        return RenderedPrompt(text=text, token_ids=token_ids, images=images)
 
     async def _render(self, lane: RenderLane, job: dict[str, Any]) -> dict[str, Any]:
         try:

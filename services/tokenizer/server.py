@@ -8,17 +8,21 @@ import uuid
 from functools import partial
 
 import grpc
+from opentelemetry import trace
 
+from services.common import tracing
 from services.common.drain import Drain
 from services.common.errors import ServiceError, client_message, invalid_argument
 from services.common.multiplex import CallMultiplexer, MultiplexedCall, call_method, multiplexed_method
 from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.formats import ModelFormats, OutputOptions, output_options
 from services.tokenizer.grammar import response_format_grammar
+from services.tokenizer.multimodal import ImageProcessor
 from services.tokenizer.output import ChoiceOutput
 from services.tokenizer.parsers.reasoning import THINK_END
 from services.tokenizer.structs import struct_to_dict
 from services.tokenizer.prompt import PromptBuilder, too_long
+from services.tokenizer.template import RenderedPrompt
 from services.tokenizer.tool_grammar import tool_choice_grammar
 from stormserve.chat.v1 import chat_pb2, chat_pb2_grpc
 from stormserve.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
@@ -35,7 +39,7 @@ class TokenizerCore:
     """What both services share: the loaded tokenizer and the limits."""
 
     def __init__(self, config: TokenizerConfig, tokenizer, model_root: str, max_position_embeddings: int,
-                 model_type: str = ""):
+                 model_type: str = "", images: ImageProcessor | None = None):
         self.config = config
         self.tokenizer = tokenizer
         self.formats = ModelFormats.detect(config, tokenizer, model_type)
@@ -45,7 +49,7 @@ class TokenizerCore:
         encode = partial(tokenizer.encode, add_special_tokens=False)
         self.think_end_ids: list[int] = encode(THINK_END)
         self.early_stop_ids: list[int] = encode(config.early_stopping_text)
-        self.prompts = PromptBuilder(config, tokenizer, self.max_input_tokens)
+        self.prompts = PromptBuilder(config, tokenizer, self.max_input_tokens, images)
 
     def thinking_budget(self, options: OutputOptions, kwargs: dict) -> scheduler_pb2.ThinkingBudget | None:
         """`chat_template_kwargs.thinking_budget` (validated at the edge) for a
@@ -71,7 +75,7 @@ def _check_beam_search(request: chat_pb2.ChatRequest) -> None:
         raise invalid_argument("use_beam_search cannot be combined with " + ", ".join(conflicts))
 
 
-def _generate_request(request: chat_pb2.ChatRequest, request_id: str, prompt: list[int], arrival_us: int,
+def _generate_request(request: chat_pb2.ChatRequest, request_id: str, prompt: RenderedPrompt, arrival_us: int,
                       grammar: scheduler_pb2.Grammar | None,
                       thinking_budget: scheduler_pb2.ThinkingBudget | None) -> scheduler_pb2.GenerateRequest:
     sampling = scheduler_pb2.SamplingParams()
@@ -92,9 +96,14 @@ def _generate_request(request: chat_pb2.ChatRequest, request_id: str, prompt: li
     if thinking_budget is not None:
         stopping.thinking_budget.CopyFrom(thinking_budget)
     generate = scheduler_pb2.GenerateRequest(
-        request_id=request_id, prompt_token_ids=prompt, sampling=sampling, stopping=stopping,
+        request_id=request_id, prompt_token_ids=prompt.token_ids, sampling=sampling, stopping=stopping,
         arrival_time_us=arrival_us, use_beam_search=request.use_beam_search,
     )
+    for image in prompt.images:
+        # Built in place: the pixels are copied once, into the message.
+        generate.images.add(content_hash=image.content_hash, offset=image.offset, num_tokens=image.num_tokens,
+                            pixel_values=image.pixel_values.astype("<f4", copy=False).tobytes(),
+                            pixel_shape=image.pixel_values.shape, grid_thw=image.grid_thw or ())
     for name in ("n", "best_of"):
         if request.HasField(name):
             setattr(generate, name, getattr(request, name))
@@ -137,15 +146,25 @@ class ChatServicer(chat_pb2_grpc.ChatServiceServicer):
         self.drain = drain or Drain("tokenizer")  # refuses new Chat calls once SIGTERM came
 
     async def _chat(self, request):
+        with tracing.span("chat", trace.SpanKind.SERVER) as span:
+            async for response in self._respond(request, span):
+                yield response
+
+    async def _respond(self, request, span):
         arrival_us = request.arrival_time_us or time.time_ns() // 1000
         self.core.check_model(request.model)
         _check_beam_search(request)
         kwargs = struct_to_dict(request.chat_template_kwargs)
         tools = [] if request.tool_choice.mode == chat_pb2.TOOL_CHOICE_MODE_NONE else request.tools
-        prompt = await self.core.prompts.render(request.messages, tools, kwargs)
+        with tracing.span("chat_template"):
+            prompt = await self.core.prompts.render(request.messages, tools, kwargs)
         if len(prompt.token_ids) > self.core.max_input_tokens:
             raise too_long(self.core.max_input_tokens, str(len(prompt.token_ids)))
         request_id = request.request_id or f"chatcmpl-{uuid.uuid4().hex}"
+        if span is not None:
+            span.set_attributes({"gen_ai.operation.name": "chat", "gen_ai.request.model": request.model,
+                                 "gen_ai.usage.input_tokens": len(prompt.token_ids),
+                                 "stormserve.request_id": request_id})
         options = output_options(self.core.formats, bool(request.tools), kwargs, prompt.text)
         # A forced tool call, else response_format (the two together are refused).
         grammar = tool_choice_grammar(request, options, self.core.formats) or response_format_grammar(
@@ -161,7 +180,7 @@ class ChatServicer(chat_pb2_grpc.ChatServiceServicer):
         streams_choices = not request.use_beam_search and (
             not request.HasField("best_of") or request.best_of == num_choices)
         call = self.scheduler.generate(
-            _generate_request(request, request_id, prompt.token_ids, arrival_us, grammar,
+            _generate_request(request, request_id, prompt, arrival_us, grammar,
                               self.core.thinking_budget(options, kwargs)))
         has_sent = False
         try:

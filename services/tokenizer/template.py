@@ -3,11 +3,12 @@ dicts, checked template kwargs, and the jobs render_worker.py renders."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from services.common.errors import invalid_argument
 from services.common.template_kwargs import REQUEST_TEMPLATE_KEY, reserved_key
+from services.tokenizer.multimodal import ProcessedImage
 from services.tokenizer.structs import struct_to_dict
 from stormserve.chat.v1 import chat_pb2
 
@@ -17,7 +18,18 @@ MEDIA_TYPES = ("image_url", "video_url", "audio_url")
 @dataclass(frozen=True)
 class RenderedPrompt:
     text: str
-    token_ids: list[int]
+    token_ids: list[int]  # image tokens expanded
+    images: list[ProcessedImage] = field(default_factory=list)  # in prompt order
+
+
+def media_parts(messages: list[chat_pb2.ChatMessage]) -> list[tuple[str, str, str]]:
+    """(kind, url, where) of every media part, in conversation order."""
+    return [
+        (part.type.removesuffix("_url"), getattr(part, part.type).url, f"messages[{i}].content[{j}].{part.type}")
+        for i, message in enumerate(messages)
+        for j, part in enumerate(message.content_parts)
+        if part.type in MEDIA_TYPES
+    ]
 
 
 def _arguments_as_object(conversation: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
@@ -42,11 +54,22 @@ def _arguments_as_object(conversation: list[dict[str, Any]]) -> list[dict[str, A
     return out if changed else None
 
 
-def message_to_dict(message: chat_pb2.ChatMessage) -> dict[str, Any]:
-    """The message as the template sees it (OpenAI-style dict)."""
-    if message.content_parts:
-        if any(part.type in MEDIA_TYPES for part in message.content_parts):
+def message_to_dict(message: chat_pb2.ChatMessage, accepts_images: bool = False) -> dict[str, Any]:
+    """The message as the template sees it (OpenAI-style dict). With images,
+    its content is the list of parts that vision-language templates read:
+    {"type": "text", "text": ...} and {"type": "image"}."""
+    content: str | list[dict[str, str]]
+    media = [part.type for part in message.content_parts if part.type in MEDIA_TYPES]
+    if media:
+        if not accepts_images:
+            # Before any fetch (media.py): a model that cannot use media never reaches out for it.
             raise invalid_argument("this model accepts text only; media content parts are not supported")
+        if any(kind != "image_url" for kind in media):
+            raise invalid_argument("this model accepts text and images only; video_url and audio_url parts "
+                                   "are not supported")
+        content = [{"type": "image"} if part.type == "image_url" else {"type": "text", "text": part.text}
+                   for part in message.content_parts]
+    elif message.content_parts:
         content = "".join(part.text for part in message.content_parts if part.type == "text")
     else:
         # Templates concatenate content; an assistant turn with only tool calls has none.
@@ -92,14 +115,15 @@ def reject_unsafe_kwargs(template_kwargs: dict[str, Any], allow_request_template
 
 
 def render_jobs(tokenizer, messages: list[chat_pb2.ChatMessage], tools: list[chat_pb2.Tool],
-                template_kwargs: dict[str, Any], add_generation_prompt: bool, max_chars: int) -> list[dict[str, Any]]:
+                template_kwargs: dict[str, Any], add_generation_prompt: bool, max_chars: int,
+                accepts_images: bool = False) -> list[dict[str, Any]]:
     """The render_worker job(s) for a conversation, best first: prior calls'
     arguments as objects, then (only if that fails with a TypeError, as a
     template that concatenates them as text (DeepSeek) does) as sent.
     A final assistant message with `prefix: true` is continued, not closed."""
     if not messages:
         raise invalid_argument("messages must not be empty")
-    conversation = [message_to_dict(m) for m in messages]
+    conversation = [message_to_dict(m, accepts_images) for m in messages]
     last = messages[-1]
     continue_final = last.role == "assistant" and last.HasField("prefix") and last.prefix
     kwargs = dict(template_kwargs)

@@ -7,6 +7,7 @@ import logging
 
 from services.common.config import load_config
 from services.common.grpc_server import GrpcService
+from services.common import tracing
 from services.common.log import setup_logging
 from services.common.metrics import process_registry, serve_metrics_in_thread
 from services.common.supervisor import exit_with_supervisor
@@ -59,6 +60,7 @@ def main() -> None:
     exit_with_supervisor()
     config = load_config(WorkerConfig)
     log = setup_logging("worker")
+    tracing.setup("worker")
     log.info("config: %s", config)
     asyncio.run(serve(config, log))
 

@@ -2,9 +2,17 @@
 touches worker_pb2."""
 from __future__ import annotations
 
+import math
+import warnings
+
+import torch
+
+from services.common.errors import invalid_argument
 from services.worker.guided import GrammarSpec
 from services.worker.model_runner import ModelDescription
 from services.worker.sequence import SamplingParams, SequenceInput, StepResult
+from services.worker.vision import ImageInput
+from stormserve.media.v1 import media_pb2
 from stormserve.worker.v1 import worker_pb2
 
 
@@ -31,6 +39,25 @@ def sampling_from_proto(message: worker_pb2.SamplingParams) -> SamplingParams:
     )
 
 
+def image_from_proto(message: media_pb2.ImageInput) -> ImageInput:
+    """The pixels (absent for an image in cached blocks) are viewed in place
+    (one copy: out of the message), never converted."""
+    pixels = message.pixel_values
+    shape = tuple(message.pixel_shape)
+    if len(pixels) != (4 * math.prod(shape) if shape else 0):
+        raise invalid_argument(f"an image's pixel_values hold {len(pixels)} bytes, not float32 of shape {shape}")
+    grid = tuple(message.grid_thw)
+    if grid and len(grid) != 3:
+        raise invalid_argument("an image's grid_thw must have 3 entries")
+    pixel_values = None
+    if pixels:
+        with warnings.catch_warnings():
+            # The view is read-only, as the bytes are; nothing writes to pixels.
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            pixel_values = torch.frombuffer(pixels, dtype=torch.float32).view(shape)
+    return ImageInput(message.offset, message.num_tokens, pixel_values, grid or None)  # type: ignore[arg-type]
+
+
 def step_from_proto(
     request: worker_pb2.StepRequest,
 ) -> tuple[list[SequenceInput], list[int], list[tuple[int, int]]]:
@@ -46,6 +73,7 @@ def step_from_proto(
             block_table=list(s.block_table),
             num_prompt_tokens=s.num_prompt_tokens,
             feed_last_sampled=s.feed_last_sampled,
+            images=tuple(image_from_proto(i) for i in s.images),
         )
         for s in request.sequences
     ]

@@ -24,6 +24,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from services.common.errors import invalid_argument
+from services.common.media_parts import has_vision_tower
 from services.worker import attention, sampler
 from services.worker.platforms import Platform, torch_dtype
 from services.worker.checkpoint import Checkpoint
@@ -33,6 +34,7 @@ from services.worker.kv_cache import KVCachePool, KVCacheSpec
 from services.worker.parallel import TensorParallel
 from services.worker.penalties import apply_penalties
 from services.worker.sequence import SampledToken, SamplingParams, SequenceInput, StepResult
+from services.worker.vision import SequenceImages, VisionLanguageDecoder, check_images
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +88,8 @@ class SequenceState:
     # The token sampled last, until the sequence is next fed: a step that feeds
     # it without knowing it (feed_last_sampled) takes it from here.
     last_sampled: int | None = None
+    # A vision-language model's images of the sequence; None without.
+    images: SequenceImages | None = None
 
 
 # input_ids [T] packed as the step lays them out, the step, the rows to return
@@ -194,9 +198,12 @@ class ModelRunner:
             raise ValueError(f"tensor parallelism runs the lean Llama-family path only, not {architecture}")
         self.tensor_parallel = tensor_parallel
         with torch.inference_mode():
-            if lean and Checkpoint.available(model_dir):
-                self.decoder: Decoder = LeanDecoder(self.config, Checkpoint(model_dir, dtype_t, backend.device),
-                                                    backend, tensor_parallel)
+            if has_vision_tower(self.config):
+                self.decoder: Decoder | VisionLanguageDecoder = VisionLanguageDecoder(
+                    self.config, model_dir, dtype_t, backend)
+            elif lean and Checkpoint.available(model_dir):
+                self.decoder = LeanDecoder(self.config, Checkpoint(model_dir, dtype_t, backend.device), backend,
+                                           tensor_parallel)
             else:
                 model = _load_hf_model(model_dir, dtype_t, backend)
                 self.decoder = (LeanDecoder(self.config, model.state_dict(), backend, tensor_parallel) if lean
@@ -234,7 +241,9 @@ class ModelRunner:
 
     def describe(self) -> ModelDescription:
         generation = self.generation_config
-        eos = _token_ids(generation.eos_token_id) + _token_ids(self.config.eos_token_id)
+        # A vision-language model's config holds EOS in its text config.
+        text_eos = getattr(self.config.get_text_config(), "eos_token_id", None)
+        eos = _token_ids(generation.eos_token_id) + _token_ids(text_eos)
         return ModelDescription(
             model_path=str(self.model_dir),
             vocab_size=int(self.config.get_text_config().vocab_size),
@@ -337,6 +346,9 @@ class ModelRunner:
                 s.sampling.validate()
                 if s.num_computed_tokens < 0 or s.num_prompt_tokens < 0:
                     raise invalid_argument(f"seq {s.seq_id}: negative num_computed_tokens or num_prompt_tokens")
+                if s.images and not isinstance(self.decoder, VisionLanguageDecoder):
+                    raise invalid_argument(f"seq {s.seq_id}: this model has no vision tower for its images")
+                check_images(s.images, s.seq_id)
             elif s.num_computed_tokens != state.num_cached_tokens:
                 raise invalid_argument(
                     f"seq {s.seq_id}: num_computed_tokens {s.num_computed_tokens} but the worker "
@@ -386,7 +398,8 @@ class ModelRunner:
             # Seeded once: the sequence's draws depend on its seed alone, not on the batch.
             generator = torch.Generator()  # CPU: the sampler draws one scalar per token
             generator.manual_seed(sampling.seed)
-        state = SequenceState(sampling=sampling, generator=generator, num_prompt_tokens=s.num_prompt_tokens or None)
+        state = SequenceState(sampling=sampling, generator=generator, num_prompt_tokens=s.num_prompt_tokens or None,
+                              images=SequenceImages(list(s.images)) if s.images else None)
         if sampling.grammar is not None:
             try:
                 state.matcher = self.guided.compile(sampling.grammar)
@@ -431,7 +444,11 @@ class ModelRunner:
             end += len(s.token_ids)
             if s.sample:
                 last_rows.append(end - 1)
-        return self.decoder(input_ids, step, torch.tensor(last_rows, dtype=torch.long, device=device))
+        logit_rows = torch.tensor(last_rows, dtype=torch.long, device=device)
+        if isinstance(self.decoder, VisionLanguageDecoder):
+            images = [(self.sequences[s.seq_id].images, s.num_computed_tokens, len(s.token_ids)) for s in inputs]
+            return self.decoder(input_ids, step, logit_rows, images)
+        return self.decoder(input_ids, step, logit_rows)
 
     def _record_fed_tokens(self, state: SequenceState, s: SequenceInput) -> None:
         # A fed token at a position the worker already sampled is that sample coming back;

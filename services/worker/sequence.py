@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from services.common.errors import invalid_argument
 from services.worker.guided import GrammarSpec
+from services.worker.vision import ImageInput
 
 # The API caps top_logprobs at 20; beam search asks for 2 x its width (<= 128).
 MAX_TOP_LOGPROBS = 256
@@ -73,7 +74,8 @@ class SequenceInput:
     are prompt (0 = all); later tokens are outputs recomputed after preemption.
     feed_last_sampled: token_ids is empty and the input is the token sampled for
     the sequence in its previous step (the caller planned this step before it
-    saw that one's result).
+    saw that one's result). images: a vision-language model's images of the
+    sequence, with `sampling` only (the worker keeps them until release).
     """
 
     seq_id: int
@@ -84,6 +86,7 @@ class SequenceInput:
     block_table: list[int] = field(default_factory=list)
     num_prompt_tokens: int = 0
     feed_last_sampled: bool = False
+    images: tuple[ImageInput, ...] = ()
 
 
 @dataclass(frozen=True)

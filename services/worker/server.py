@@ -15,15 +15,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
+from services.common import tracing
 from services.common.drain import Drain
 from services.common.errors import ServiceError
 from services.worker import convert
 from services.worker.model_runner import ModelRunner
+from services.worker.spans import StepSpans
 from stormserve.worker.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -31,11 +34,13 @@ log = logging.getLogger(__name__)
 
 class _StreamState:
     """Shared by the steps of one stream: once one fails, the rest are not run.
-    `seq_ids`: the sequences its steps started and have not released."""
+    `seq_ids`: the sequences its steps started and have not released; `spans`:
+    their trace spans, with tracing on (on the scheduler's step stream only)."""
 
-    def __init__(self):
+    def __init__(self, traced: bool = False):
         self.failed = False
         self.seq_ids: set[int] = set()
+        self.spans = StepSpans() if traced and tracing.enabled else None
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
@@ -104,7 +109,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             raise self.drain.expiry_error() from None
 
     async def _step_stream(self, request_iterator):
-        state = _StreamState()
+        state = _StreamState(traced=True)
         answers: asyncio.Queue[asyncio.Task | None] = asyncio.Queue()
 
         async def read() -> None:
@@ -125,6 +130,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             if state.seq_ids:
                 # On the step thread: after any step of this stream still running there.
                 self._executor.submit(self._forget, sorted(state.seq_ids))
+            if state.spans is not None:
+                state.spans.close()
 
     def _forget(self, seq_ids: list[int]) -> None:
         if self._runner is not None:
@@ -144,7 +151,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         state.seq_ids.difference_update(release_seq_ids)  # released before the step runs its sequences
         state.seq_ids.update(s.seq_id for s in inputs)
 
+        times = [0, 0]  # when the step ran on the step thread (ns), for its span
+
         def run() -> worker_pb2.StepResponse:
+            times[0] = time.time_ns()
             if state.failed:
                 raise ServiceError(grpc.StatusCode.ABORTED, "an earlier step on this stream failed")
             try:
@@ -152,6 +162,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             except BaseException:
                 state.failed = True
                 raise
+            finally:
+                times[1] = time.time_ns()
             log.debug(
                 "step %d: %d sequences, %d tokens, %d released, %d copies, %.1f ms",
                 request.step_id, len(inputs), sum(len(s.token_ids) for s in inputs),
@@ -160,10 +172,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             return convert.step_to_proto(request.step_id, result)
 
         self._steps_in_flight += 1
+        ok = False
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._executor, run)
+            response = await asyncio.get_running_loop().run_in_executor(self._executor, run)
+            ok = True
+            return response
         finally:
             self._steps_in_flight -= 1
+            if state.spans is not None and times[0]:
+                state.spans.on_step(request, times[0], times[1] or time.time_ns(), ok)
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)

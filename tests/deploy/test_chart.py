@@ -19,7 +19,9 @@ import kubernetes_validate.utils
 import pytest
 import yaml
 
+from services.common import tracing
 from services.common.config import load_config
+from services.envoy.config import EnvoyConfig
 from services.http_edge.config import EdgeConfig
 from services.scheduler.config import SchedulerConfig
 from services.tokenizer.config import TokenizerConfig
@@ -75,13 +77,20 @@ VALUE_SETS: dict[str, dict] = {
                     "scrapeFrom": [{"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}],
                     "podMonitor": {"enabled": True, "labels": {"release": "kube-prometheus"}},
                     "serviceMonitor": {"enabled": True, "interval": "15s"}},
+        "tracing": {"otlpEndpoint": "http://otel-collector.observability:4317"},
         "networkPolicy": {"edgeFrom": [{"namespaceSelector": {"matchLabels": {"ingress": "true"}}}]},
+    },
+    "envoy": {
+        "envoy": {"enabled": True, "service": {"type": "LoadBalancer"},
+                  "tls": {"secretName": "stormserve-tls", "clientCASecretName": "stormserve-client-ca"}},
+        "networkPolicy": {"edgeFrom": [{"ipBlock": {"cidr": "10.0.0.0/8"}}]},
+        "config": {"MAX_REQUEST_MIB": "8", "REQUEST_TIMEOUT_S": "300"},
     },
 }
 
 # Each service's config, by the module a container runs (`python -m services.<module>`).
 CONFIGS = {"http_edge": EdgeConfig, "tokenizer": TokenizerConfig, "scheduler": SchedulerConfig,
-           "worker": WorkerConfig}
+           "worker": WorkerConfig, "envoy": EnvoyConfig}
 
 def process_settings() -> set[str]:
     """STORMSERVE_* variables the services read outside their configs (os.environ),
@@ -213,6 +222,7 @@ BAD_VALUES = [
     ({"worker": {"acceleratorResource": {"name": "gpu"}}}, "at '/worker/acceleratorResource/name'"),
     ({"scheduler": {"workerDiscovery": "pods"}}, "at '/scheduler/workerDiscovery'"),
     ({"config": {"max_seq_len": "100"}}, "'max_seq_len' does not match pattern"),
+    ({"tracing": {"otlpEndpoint": "otel-collector:4317"}}, "at '/tracing/otlpEndpoint'"),
 ]
 
 
@@ -286,7 +296,7 @@ def test_settings_reach_the_services():
     assert env["scheduler"]["STORMSERVE_WORKER_PORT"] == "50053"
     assert "STORMSERVE_WORKER_NAMESPACE" not in env["scheduler"]  # the pod's own namespace
     assert load_config(EdgeConfig, [], env["http_edge"]).tokenizer_address == f"{component('tokenizer')}:50051"
-    for module in CONFIGS:
+    for module in env:
         assert env[module]["STORMSERVE_CACHE_DIR"] == "/var/cache/stormserve"
 
 
@@ -346,10 +356,13 @@ def test_probes_name_open_ports_and_registered_grpc_services(value_set):
         ready = probes["readinessProbe"]
         if module == "http_edge":
             assert ready["httpGet"]["path"] == "/health"
+        elif module == "envoy":  # mutual TLS would refuse the kubelet, which has no client certificate
+            assert set(ready) >= {"tcpSocket"}
         else:
             assert ready["grpc"]["service"] != ""
         # The port the process listens on is the one the probes and Services use.
-        assert int(container_env(rendered(value_set), container)["STORMSERVE_PORT"]) in ports.values()
+        port = "STORMSERVE_ENVOY_PORT" if module == "envoy" else "STORMSERVE_PORT"
+        assert int(container_env(rendered(value_set), container)[port]) in ports.values()
 
 
 def test_the_health_names_the_probes_use_exist():
@@ -370,8 +383,9 @@ def test_termination_grace_covers_pre_stop_and_drain(value_set):
     objects = rendered(value_set)
     for workload, container, module in containers(objects):
         pod = workload["spec"]["template"]["spec"]
-        sleep = int(container["lifecycle"]["preStop"]["exec"]["command"][1])
-        assert container["lifecycle"]["preStop"]["exec"]["command"][0] == "sleep" and sleep > 0
+        words = " ".join(container["lifecycle"]["preStop"]["exec"]["command"]).split()
+        sleep = int(words[words.index("sleep") + 1])
+        assert sleep > 0
         drain = float(container_env(objects, container)["STORMSERVE_DRAIN_TIMEOUT_S"])
         assert pod["terminationGracePeriodSeconds"] >= sleep + drain + 5, workload["metadata"]["name"]
     (worker,) = of_kind(rendered("cuda"), "StatefulSet")
@@ -611,3 +625,14 @@ def test_metrics_ports_monitors_and_who_may_scrape():
     defaults = rendered("defaults")
     assert not of_kind(defaults, "PodMonitor") and not of_kind(defaults, "ServiceMonitor")
     assert all("metrics" not in {p["name"] for p in c["ports"]} for _, c, _ in containers(defaults))
+
+
+def test_tracing_reaches_every_service_when_a_collector_is_named():
+    for _, container, module in containers(rendered("metrics")):
+        env = container_env(rendered("metrics"), container)
+        assert tracing.configured(env), module
+        assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector.observability:4317"
+        assert env["OTEL_EXPORTER_OTLP_INSECURE"] == "true"
+        assert env["OTEL_SERVICE_NAME"] == "stormserve-" + {"http_edge": "edge"}.get(module, module)
+    for _, container, module in containers(rendered("defaults")):
+        assert not tracing.configured(container_env(rendered("defaults"), container)), module

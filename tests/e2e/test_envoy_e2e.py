@@ -11,12 +11,14 @@ import socket
 import ssl
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import httpx
 import pytest
 
 from services.envoy.config import EnvoyConfig
+from services.envoy.drain import drain
 from services.envoy.render import MIB, envoy_command, write
 from services.common.supervisor import free_port
 from stormserve.chat.v1 import chat_pb2, chat_pb2_grpc
@@ -181,7 +183,7 @@ def test_body_over_the_limit_is_refused_before_the_edge(envoy_chain, edge_url, e
 def running_envoy(config: EnvoyConfig, directory):
     path = write(config, directory / "envoy.yaml")
     log = open(directory / "envoy.log", "wb")
-    proc = subprocess.Popen(envoy_command(path), stdout=log, stderr=log)
+    proc = subprocess.Popen(envoy_command(config, path), stdout=log, stderr=log)
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -296,3 +298,29 @@ def test_a_transcoded_stream_that_fails_midway_is_a_200_that_breaks_off(envoy_ur
     chunks = [json.loads(e[len(b"data: "):])["chunk"] for e in events]
     assert not any("usage" in c or "error" in c for c in chunks)
     assert not [c for chunk in chunks for c in chunk.get("choices", []) if c.get("finishReason")]
+
+
+def test_drain_lets_running_streams_finish_and_turns_new_connections_away(envoy_chain, tmp_path):
+    chain = envoy_chain[0]
+    config = EnvoyConfig(envoy_port=free_port(), edge_address=f"127.0.0.1:{chain.edge_port}",
+                         tokenizer_address=f"127.0.0.1:{chain.tokenizer_port}",
+                         envoy_admin_path=str(tmp_path / "admin.sock"), drain_timeout_s=120)
+    request = {"model": MODEL, "messages": QUESTION, "stream": True, "max_tokens": 60, "ignore_eos": True}
+    with running_envoy(config, tmp_path):
+        url = f"http://127.0.0.1:{config.envoy_port}"
+        with httpx.stream("POST", url + "/v1/chat/completions", json=request, timeout=120) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: {")
+            with ThreadPoolExecutor(1) as pool:
+                drained = pool.submit(drain, config)
+                time.sleep(1.0)
+                assert not drained.done()  # a stream is running
+                # Meanwhile a new request is served, and told to take its next one elsewhere.
+                late = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+                    "model": MODEL, "messages": QUESTION, "max_tokens": 2})
+                assert late.status_code == 200 and late.headers["connection"] == "close"
+                rest = [line for line in lines if line]
+                assert rest[-1] == "data: [DONE]"
+                assert drained.result(timeout=30) is True
+        # The whole reply: its last chunk ends it by length (chunks may carry several tokens).
+        assert json.loads(rest[-2].removeprefix("data: "))["choices"][0]["finish_reason"] == "length"

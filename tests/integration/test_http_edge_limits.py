@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 
 import pytest
 import uvloop
+from prometheus_client.parser import text_string_to_metric_families
 from stormserve.chat.v1 import chat_pb2
 
 from services.http_edge.config import EdgeConfig
@@ -153,6 +154,26 @@ def test_a_head_within_both_limits_is_served() -> None:
         reply = await exchange(port, b"GET /health HTTP/1.1\r\nHost: edge\r\nConnection: close\r\n"
                                + fields + b"\r\n")
         assert reply.status == 200
+
+    run(scenario)
+
+
+def test_protocol_refusals_are_counted_in_the_edge_metrics() -> None:
+    def counts(text: str) -> dict[tuple[str, frozenset], float]:
+        return {(s.name, frozenset(s.labels.items())): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
+
+    async def scenario(port: int) -> None:
+        await exchange(port, b"GET /health HTTP/1.1\r\nX-Big: " + b"a" * 5 * 1024)  # 431
+        await exchange(port, b"NOT HTTP AT ALL\r\n\r\n")  # 400
+        await exchange(port, b"POST /v1/chat/completions HTTP/1.1\r\nHost: edge\r\nX-Slow: ")  # 408
+        reply = await exchange(port, b"GET /metrics HTTP/1.1\r\nHost: edge\r\nConnection: close\r\n\r\n")
+        samples = counts(reply.body.decode())
+        for code in ("431", "400", "408"):
+            labels = frozenset({"method": "_OTHER", "route": "unparsed", "code": code}.items())
+            assert samples[("stormserve:http_requests_total", labels)] == 1, code
+        for reason, count in (("validation", 2), ("timeout", 1), ("auth", 0)):
+            assert samples[("stormserve:requests_rejected_total", frozenset({"reason": reason}.items()))] == count
 
     run(scenario)
 

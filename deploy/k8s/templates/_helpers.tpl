@@ -134,7 +134,12 @@ resources:
 lifecycle:
   preStop:
     exec:
+      {{- if eq .component "envoy" }}
+      # Envoy cuts its streams on SIGTERM: drain it gracefully first (services/envoy/drain.py).
+      command: ["sh", "-c", "sleep {{ .root.Values.drain.preStopSleepSeconds }} && exec python -m services.envoy --drain"]
+      {{- else }}
       command: ["sleep", "{{ .root.Values.drain.preStopSleepSeconds }}"]
+      {{- end }}
 {{- end -}}
 
 {{/* Env of one container: where it listens, its drain timeout, then its own extra settings. */}}
@@ -149,6 +154,14 @@ lifecycle:
 {{- if and .root.Values.metrics.enabled (ne .component "edge") }}
 - name: STORMSERVE_METRICS_PORT
   value: {{ .root.Values.metrics.port | quote }}
+{{- end }}
+{{- with .root.Values.tracing.otlpEndpoint }}
+- name: OTEL_EXPORTER_OTLP_ENDPOINT
+  value: {{ . | quote }}
+- name: OTEL_EXPORTER_OTLP_INSECURE
+  value: {{ $.root.Values.tracing.insecure | toString | quote }}
+- name: OTEL_SERVICE_NAME
+  value: stormserve-{{ $.component }}
 {{- end }}
 # The root filesystem is read-only: libraries that write under ~ write to /tmp.
 - name: HOME

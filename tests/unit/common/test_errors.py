@@ -6,7 +6,11 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from services.common.errors import ServiceError, client_message, drain_expired, drain_refused, status_of
+from google.rpc import error_details_pb2
+
+from services.common.errors import (
+    PAYLOAD_TOO_LARGE, ServiceError, client_message, drain_expired, drain_refused, error_reason, status_of,
+    status_proto, status_trailers)
 
 # As grpc.aio reports a peer that is down, a socket that broke, an oversized message.
 CONNECT_FAILED = ("failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:50052: "
@@ -74,3 +78,17 @@ def test_an_unexpected_exception_is_logged_with_the_request_and_answered_without
 def test_a_draining_services_own_words_reach_the_client(details):
     assert client_message(grpc.StatusCode.UNAVAILABLE, details) == details
     assert client_message(grpc.StatusCode.UNAVAILABLE, "127.0.0.1:1 " + details) != details
+
+
+def test_an_error_reason_travels_in_the_status_details() -> None:
+    """One refusal code, told apart by its google.rpc.ErrorInfo (the edge's 413)."""
+    marked = status_proto(ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "too big", PAYLOAD_TOO_LARGE))
+    assert (marked.code, marked.message) == (grpc.StatusCode.INVALID_ARGUMENT.value[0], "too big")
+    assert error_reason(status_trailers(marked)) == PAYLOAD_TOO_LARGE
+    plain = status_proto(ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "bad"))
+    assert status_trailers(plain) == () and error_reason(status_trailers(plain)) == ""
+    # Another domain's reason (a proxy's, a library's) is not ours to act on.
+    foreign = status_proto(ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "x"))
+    foreign.details.add().Pack(error_details_pb2.ErrorInfo(reason=PAYLOAD_TOO_LARGE, domain="example.com"))
+    assert error_reason(status_trailers(foreign)) == ""
+    assert error_reason(None) == ""

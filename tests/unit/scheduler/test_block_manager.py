@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from services.scheduler.block_manager import BlockManager
-from services.scheduler.sequence import SamplingParams, Sequence, StoppingCriteria
+from services.scheduler.sequence import ImageSpan, SamplingParams, Sequence, StoppingCriteria
 
 
 def seq_of(seq_id: int, tokens: list[int]) -> Sequence:
@@ -105,3 +105,27 @@ def test_same_content_computed_twice_keeps_one_cached_copy():
     blocks.free(a)
     blocks.free(b)
     assert blocks.num_free_blocks == 6
+
+
+def _with_image(seq_id: int, content_hash: bytes) -> Sequence:
+    """12 prompt tokens: text 0..2, an image's 6 placeholders (token 99) at 3..8, text 9..11."""
+    seq = seq_of(seq_id, [0, 1, 2] + [99] * 6 + [9, 10, 11])
+    seq.images = (ImageSpan(content_hash, 3, 6, message=None),)
+    return seq
+
+
+def test_image_blocks_are_keyed_by_the_image_content():
+    blocks = BlockManager(num_blocks=20, block_size=4)
+    first = _with_image(1, b"A" * 32)
+    blocks.allocate_prefix(first)
+    computed(blocks, first)
+    # Same tokens, another image: only the block before the image is shared.
+    other = _with_image(2, b"B" * 32)
+    assert blocks.allocate_prefix(other) == 0  # block 0 holds position 3, an image token
+    # The same image: every full block but the one holding the last token.
+    same = _with_image(3, b"A" * 32)
+    assert blocks.allocate_prefix(same) == 8
+    assert same.block_table == first.block_table[:2]
+    # A text-only prompt of the same token ids shares nothing with either.
+    text = seq_of(4, [0, 1, 2] + [99] * 6 + [9, 10, 11])
+    assert blocks.allocate_prefix(text) == 0

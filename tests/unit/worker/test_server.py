@@ -13,6 +13,7 @@ from services.common.errors import ErrorInterceptor
 from services.common.grpc_server import GrpcService, health_status
 from services.worker.model_runner import ModelRunner
 from services.worker.server import WorkerServicer
+from stormserve.media.v1 import media_pb2
 from stormserve.worker.v1 import worker_pb2, worker_pb2_grpc
 
 
@@ -75,6 +76,14 @@ def test_describe_and_steps_over_grpc(runner: ModelRunner):
          grpc.StatusCode.INVALID_ARGUMENT),
         (worker_pb2.SequenceStep(seq_id=801, token_ids=[1] * 100_000, sample=True, sampling=_sampling()),
          grpc.StatusCode.INVALID_ARGUMENT),  # longer than max_position_embeddings
+        (worker_pb2.SequenceStep(seq_id=801, token_ids=[1], sample=True, sampling=_sampling(), block_table=[0],
+                                 images=[media_pb2.ImageInput(offset=0, num_tokens=1, pixel_values=b"\0" * 8,
+                                                              pixel_shape=[3])]),
+         grpc.StatusCode.INVALID_ARGUMENT),  # pixels that do not fill their shape
+        (worker_pb2.SequenceStep(seq_id=801, token_ids=[1], sample=True, sampling=_sampling(), block_table=[0],
+                                 images=[media_pb2.ImageInput(offset=0, num_tokens=1, pixel_values=b"\0" * 12,
+                                                              pixel_shape=[3])]),
+         grpc.StatusCode.INVALID_ARGUMENT),  # a text-only model has no vision tower
     ],
 )
 def test_bad_steps_map_to_status_codes(runner: ModelRunner, sequence, code):

@@ -34,14 +34,14 @@ def main() -> None:
     exit_with_supervisor()  # rank 0 is the supervisor here: SIGTERM when it goes
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--tp-rank", type=int, required=True)
-    parser.add_argument("--tp-leader", required=True, help="host:port of rank 0's step channel")
+    parser.add_argument("--tp-listen", required=True, help="host:port this rank takes rank 0's steps on")
     parser.add_argument("--tp-dist-port", type=int, required=True, help="torch.distributed's rendezvous port")
     args, rest = parser.parse_known_args()
     config = load_config(WorkerConfig, argv=rest)
     log = setup_logging(f"worker-rank{args.tp_rank}")
     platform = select_platform(config.device, local_rank=args.tp_rank)
     platform.set_num_threads(config.num_threads)
-    group = TensorParallel.join(args.tp_rank, config.tensor_parallel_size, args.tp_leader, args.tp_dist_port,
+    group = TensorParallel.join(args.tp_rank, config.tensor_parallel_size, args.tp_listen, args.tp_dist_port,
                                 platform)
     runner = build_runner(config, platform, group)
     log.info("rank %d of %d loaded; following rank 0", args.tp_rank, config.tensor_parallel_size)

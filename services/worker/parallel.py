@@ -53,8 +53,10 @@ log = logging.getLogger(__name__)
 
 # How often rank 0 looks for a follower that exited.
 WATCH_POLL_S = 0.2
-# Followers load the model beside rank 0; this long to connect.
-JOIN_TIMEOUT_S = 600.0
+# How long a follower may take to start listening (it imports torch first).
+JOIN_TIMEOUT_S = 300.0
+# The step channel's key, handed to the followers out of their command lines.
+AUTHKEY_ENV = "STORMSERVE_TP_AUTHKEY"
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,21 @@ def balanced_range(total: int, parts: int, index: int) -> tuple[int, int]:
     base, extra = divmod(total, parts)
     start = index * base + min(index, extra)
     return start, start + base + (index < extra)
+
+
+def _connect(address: tuple[str, int], authkey: bytes, process: subprocess.Popen) -> Connection:
+    """Rank 0's end of a follower's step channel, once the follower listens;
+    RuntimeError if it exits or takes too long first."""
+    deadline = time.monotonic() + JOIN_TIMEOUT_S
+    while True:
+        try:
+            return Client(address, authkey=authkey)
+        except ConnectionRefusedError:
+            if process.poll() is not None:
+                raise RuntimeError(f"a tensor-parallel rank {exit_reason(process.returncode)} while starting") from None
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"a tensor-parallel rank did not listen within {JOIN_TIMEOUT_S:.0f} s") from None
+            time.sleep(WATCH_POLL_S)
 
 
 def config_flags(config) -> list[str]:
@@ -97,41 +114,36 @@ class TensorParallel:
 
     @classmethod
     def start(cls, config, platform: Platform) -> TensorParallel:
-        """Rank 0: start the followers with `config`, join them."""
+        """Rank 0: start the followers with `config`, connect to each, join them."""
         world_size = config.tensor_parallel_size
         authkey = secrets.token_bytes(16)
-        listener = Listener(("127.0.0.1", 0), authkey=authkey)
         dist_port = free_port()
-        env = {**os.environ, SUPERVISOR_PID_ENV: str(os.getpid()), "STORMSERVE_TP_AUTHKEY": authkey.hex()}
+        env = {**os.environ, SUPERVISOR_PID_ENV: str(os.getpid()), AUTHKEY_ENV: authkey.hex()}
+        addresses = [("127.0.0.1", free_port()) for _ in range(1, world_size)]
         processes = [
             subprocess.Popen([sys.executable, "-m", "services.worker.follower", "--tp-rank", str(rank),
-                              "--tp-leader", f"{listener.address[0]}:{listener.address[1]}",
-                              "--tp-dist-port", str(dist_port), *config_flags(config)], env=env)
-            for rank in range(1, world_size)
+                              "--tp-listen", f"{host}:{port}", "--tp-dist-port", str(dist_port),
+                              *config_flags(config)], env=env)
+            for rank, (host, port) in enumerate(addresses, start=1)
         ]
-        connections: dict[int, Connection] = {}
-        deadline = time.monotonic() + JOIN_TIMEOUT_S
-        while len(connections) < world_size - 1:
-            if time.monotonic() > deadline or any(p.poll() is not None for p in processes):
-                for p in processes:
-                    p.kill()
-                raise RuntimeError("a tensor-parallel rank failed to start (see its log above)")
-            connection = listener.accept()
-            connections[connection.recv()] = connection
-        listener.close()
+        try:
+            followers = [_connect(address, authkey, process) for address, process in zip(addresses, processes)]
+        except RuntimeError:
+            for process in processes:
+                process.kill()
+            raise
         group = cls(0, world_size, platform, dist_port)
-        group._followers = [connections[r] for r in range(1, world_size)]
-        group._processes = processes
+        group._followers, group._processes = followers, processes
         threading.Thread(target=group._watch, name="tp-watch", daemon=True).start()
         log.info("tensor-parallel group of %d ranks (%s)", world_size, platform.dist_backend)
         return group
 
     @classmethod
-    def join(cls, rank: int, world_size: int, leader: str, dist_port: int, platform: Platform) -> TensorParallel:
-        """A follower: connect to rank 0, join the group."""
-        host, port = leader.rsplit(":", 1)
-        connection = Client((host, int(port)), authkey=bytes.fromhex(os.environ.pop("STORMSERVE_TP_AUTHKEY")))
-        connection.send(rank)
+    def join(cls, rank: int, world_size: int, listen: str, dist_port: int, platform: Platform) -> TensorParallel:
+        """A follower: wait for rank 0 to connect, join the group."""
+        host, port = listen.rsplit(":", 1)
+        with Listener((host, int(port)), authkey=bytes.fromhex(os.environ.pop(AUTHKEY_ENV))) as listener:
+            connection = listener.accept()
         group = cls(rank, world_size, platform, dist_port)
         group._leader = connection
         return group

@@ -60,8 +60,10 @@ def main() -> None:
             "--device", "cpu", "--dtype", args.dtype, "--cache-block-size", str(args.block_size),
             "--kv-cache-mib", "256", "--max-batch-size", str(args.batch + 1), "--num-threads", str(args.num_threads),
             "--tensor-parallel-size", str(args.tensor_parallel_size)])
-        runner = build_runner(config, platform, TensorParallel.start(config, platform))
+        group = TensorParallel.start(config, platform)
+        runner = build_runner(config, platform, group)
     else:
+        group = None
         runner = ModelRunner(resolve_model(default_model_path()), platform, platform.resolve_dtype(args.dtype),
                              args.block_size, 256 * 2**20, max(args.batch, 1) + 1)
     runner.warm_up()
@@ -94,7 +96,9 @@ def main() -> None:
         if rep:
             decode.append(time.perf_counter() - started)
         last = {t.seq_id: t.token_id for t in result.tokens}
-    print(json.dumps({"dtype": runner.dtype_name, "prefill": _ms(prefill), "decode": _ms(decode)}))
+    print(json.dumps({"dtype": runner.dtype_name, "prefill": _ms(prefill), "decode": _ms(decode)}), flush=True)
+    if group is not None:
+        group.close()
 
 
 if __name__ == "__main__":

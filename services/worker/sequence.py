@@ -73,7 +73,8 @@ class SequenceInput:
     are prompt (0 = all); later tokens are outputs recomputed after preemption.
     feed_last_sampled: token_ids is empty and the input is the token sampled for
     the sequence in its previous step (the caller planned this step before it
-    saw that one's result).
+    saw that one's result). num_draft_tokens: the last that many token_ids are
+    a draft to verify (see speculative.py).
     """
 
     seq_id: int
@@ -84,6 +85,7 @@ class SequenceInput:
     block_table: list[int] = field(default_factory=list)
     num_prompt_tokens: int = 0
     feed_last_sampled: bool = False
+    num_draft_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -102,6 +104,7 @@ class SampledToken:
     token_id: int
     logprob: float | None = None  # set when top_logprobs >= 0
     top_logprobs: list[TokenLogprob] = field(default_factory=list)  # best first
+    num_accepted_draft_tokens: int = 0  # drafts kept before token_id
 
 
 @dataclass(frozen=True)

@@ -20,10 +20,12 @@ EOS = 2
 BLOCK_SIZE = 4
 
 
-def make_policy(num_blocks=100, block_size=BLOCK_SIZE, max_batch_size=8, max_prefill_tokens=1000, speculation=None):
+def make_policy(num_blocks=100, block_size=BLOCK_SIZE, max_batch_size=8, max_prefill_tokens=1000, speculation=None,
+                speculator=None):
     capacity = WorkerCapacity(num_kv_blocks=num_blocks, block_size=block_size, max_batch_size=64,
                               eos_token_ids=frozenset({EOS}))
-    speculator = Speculator(speculation) if speculation is not None else None
+    if speculation is not None:
+        speculator = Speculator(speculation)
     return BatchPolicy(capacity, max_batch_size, max_prefill_tokens, speculator)
 
 

@@ -379,7 +379,7 @@ class BatchPolicy(BeamSteps):
         budget = seq.stopping.thinking_budget
         if (seq.beam is not None or (budget is not None and not seq.is_thinking_done)
                 or len(seq.output_token_ids) + 1 >= seq.stopping.max_tokens
-                or entry.draft_token_ids or self.speculator.wants_draft(seq, len(self.running))):
+                or entry.draft_token_ids or self.speculator.wants_draft(seq, self._num_drafting_load)):
             return None
         return computed, seq.num_tokens + 1  # the token in flight
 
@@ -402,7 +402,7 @@ class BatchPolicy(BeamSteps):
     def _schedule_decodes(self, batch: list[ScheduledSequence]) -> bool:
         """Add a one-token step for every decoding sequence; returns whether any was preempted."""
         has_preempted = False
-        draft_budget = self.speculator.draft_budget(len(self.running))
+        draft_budget = self.speculator.draft_budget(self._num_drafting_load)
         for seq in list(self.running):
             position = self._position(seq)
             if seq.status is not SequenceStatus.RUNNING or position is None or position[1] - position[0] != 1:
@@ -423,6 +423,13 @@ class BatchPolicy(BeamSteps):
                 self.blocks.grow(seq, total + len(draft))
                 batch.append(self._schedule_entry(seq, computed, 1 + len(draft), draft))
         return has_preempted
+
+    @property
+    def _num_drafting_load(self) -> int:
+        """What the step's draft budget is measured against: the running sequences,
+        or the whole budget while requests wait for admission (the batch is
+        filling up: its steps are better spent admitting them)."""
+        return len(self.running) + (self.speculator.config.draft_token_budget if self.waiting else 0)
 
     def _draft(self, seq: Sequence, total: int, budget: int) -> tuple[int, ...]:
         """A draft for a decoding sequence whose last token is known: within the step's

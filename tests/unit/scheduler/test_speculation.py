@@ -184,3 +184,22 @@ def test_tokens_of_one_step_share_its_figures():
     # Split evenly: the sums are the step's wait and latency since the previous token.
     previous_us = 3_000 if n == 0 else 10_000 * n + 1_000
     assert sum(e.latency_ms for _, e in events) == pytest.approx((10_000 * (n + 1) + 1_000 - previous_us) / 1000)
+
+
+def test_no_drafts_while_requests_wait_for_admission():
+    policy = make_policy(max_batch_size=1, speculation=LOOKUP)  # the second request waits for the first
+    worker = FakeWorker(policy=policy, copy_period=2)
+    first, second = make_seq(1, prompt_len=6, max_tokens=12), make_seq(2, prompt_len=6, max_tokens=12)
+    policy.add(first)
+    policy.add(second)
+    drafts_while_waiting = drafts_after = 0
+    while policy.has_work():
+        is_waiting = bool(policy.waiting)
+        plan, _ = run_step(policy, worker)
+        num_drafts = sum(bool(e.draft_token_ids) for e in plan.scheduled)
+        if is_waiting:
+            drafts_while_waiting += num_drafts
+        else:
+            drafts_after += num_drafts
+    assert drafts_while_waiting == 0 and drafts_after > 0
+    assert_no_leak(policy)

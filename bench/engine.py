@@ -25,6 +25,7 @@ from services.common.model_files import default_model_path, resolve_model
 from services.scheduler.plan import WorkerCapacity
 from services.scheduler.policy import BatchPolicy
 from services.scheduler.sequence import SamplingParams, Sequence, StoppingCriteria
+from services.scheduler.speculation import METHODS, SpeculationConfig, Speculator
 from services.scheduler.worker_client import sampled_tokens, step_request
 from services.worker.platforms import select_platform
 from services.worker.convert import step_from_proto, step_to_proto
@@ -98,7 +99,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="bench/results/engine.json")
     parser.add_argument("--label", default="engine in-process")
+    parser.add_argument("--workload", choices=("random", "grounded"), default="random")
+    parser.add_argument("--speculative-method", choices=METHODS, default="off")
+    parser.add_argument("--speculative-max-draft-tokens", type=int, default=8)
     args = parser.parse_args()
+    speculation = SpeculationConfig(args.speculative_method, args.speculative_max_draft_tokens)
 
     model_dir = resolve_model(args.model_path or default_model_path())
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -113,13 +118,13 @@ def main() -> None:
     levels = []
     for index, c in enumerate(filter(None, args.concurrency.split(","))):
         # The chat-templated prompts and warm-up request bench.serve sends at this level.
-        warm_up, prompts = level_prompts(args.num_requests, args.input_len, args.seed, index)
+        warm_up, prompts = level_prompts(args.num_requests, args.input_len, args.seed, index, args.workload)
         warm_up, *prompts = [
             tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                           return_dict=True)["input_ids"]
             for p in [warm_up, *prompts]
         ]
-        policy = BatchPolicy(capacity, args.max_batch_size, args.max_prefill_tokens)
+        policy = BatchPolicy(capacity, args.max_batch_size, args.max_prefill_tokens, Speculator(speculation))
         run_level(runner, policy, [warm_up], 1, args.output_len, ids)
         levels.append(run_level(runner, policy, prompts, int(c), args.output_len, ids))
     print_table(levels)

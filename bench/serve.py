@@ -27,6 +27,7 @@ from urllib.parse import urlsplit
 
 import uvloop
 
+from bench.grounded import make_grounded_prompts
 
 WORDS = ("time person year way day thing man world life hand part child eye woman place work week case "
          "point government company number group problem fact water light river city story music house").split()
@@ -39,11 +40,41 @@ def make_prompts(n: int, input_len: int, seed: int) -> list[str]:
     return [f"Request {i}: " + " ".join(rng.choice(WORDS) for _ in range(words)) for i in range(n)]
 
 
-def level_prompts(n: int, input_len: int, seed: int, level: int) -> tuple[str, list[str]]:
+def level_prompts(n: int, input_len: int, seed: int, level: int, workload: str = "random") -> tuple[str, list[str]]:
     """A warm-up prompt and `n` measured ones, different for every level, so that
     no level (and no measured request) starts on another's prefix cache."""
-    prompts = make_prompts(n + 1, input_len, seed + 1000 * level)
+    make = make_grounded_prompts if workload == "grounded" else make_prompts
+    prompts = make(n + 1, input_len, seed + 1000 * level)
     return prompts[0], prompts[1:]
+
+
+# The scheduler's counters read around a level: speculative decoding and steps.
+SCHEDULER_COUNTERS = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
+                      "vllm:spec_decode_num_accepted_tokens_total", "vllm:generation_tokens_total",
+                      "stormserve:step_batch_size_count")
+
+
+def read_counters(metrics_url: str) -> dict[str, float]:
+    """Sums over labels of SCHEDULER_COUNTERS at `metrics_url` (a scheduler's /metrics)."""
+    import urllib.request
+
+    totals = dict.fromkeys(SCHEDULER_COUNTERS, 0.0)
+    for line in urllib.request.urlopen(metrics_url, timeout=10).read().decode().splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in totals:
+            totals[name] += float(line.rsplit(" ", 1)[1])
+    return totals
+
+
+def speculation_figures(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Acceptance rate (accepted / drafted tokens), tokens per verified draft (1 +
+    accepted / drafts) and generated tokens per engine step over a level."""
+    delta = {name: after[name] - before[name] for name in SCHEDULER_COUNTERS}
+    drafts, drafted, accepted, generated, steps = (delta[name] for name in SCHEDULER_COUNTERS)
+    return {"drafts": drafts, "draft_tokens": drafted, "accepted_tokens": accepted,
+            "acceptance_rate": accepted / drafted if drafted else 0.0,
+            "tokens_per_draft": 1 + accepted / drafts if drafts else 0.0,
+            "tokens_per_step": generated / steps if steps else 0.0}
 
 
 @dataclass
@@ -204,13 +235,15 @@ async def run_level(args, warm_up: str, prompts: list[str], concurrency: int | N
         delays.append(t)
         if rate:
             t += rng.expovariate(rate)
+    counters = read_counters(args.metrics_url) if args.metrics_url else None
     started, cpu_started = time.perf_counter(), time.process_time()
     results = await asyncio.gather(*(worker(p, d) for p, d in zip(prompts, delays)))
     elapsed = time.perf_counter() - started
     client_cpu_s = time.process_time() - cpu_started
     ok = [r for r in results if not r.error]
     tokens = sum(r.output_tokens for r in ok)
-    return {
+    speculation = speculation_figures(counters, read_counters(args.metrics_url)) if counters else {}
+    return {"speculation": speculation,
         "level": label, "concurrency": concurrency, "rate": rate, "requests": len(results),
         "errors": [r.error for r in results if r.error][:5], "num_errors": len(results) - len(ok),
         "duration_s": elapsed, "output_tokens": tokens, "output_tok_per_s": tokens / elapsed,
@@ -272,6 +305,10 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=16, help="requests per level")
     parser.add_argument("--input-len", type=int, default=200, help="approximate prompt tokens")
     parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--workload", choices=("random", "grounded"), default="random",
+                        help="random word prompts, or prompts that ask to repeat, edit or extract from a text")
+    parser.add_argument("--metrics-url", default="",
+                        help="a stormserve scheduler's /metrics: report draft acceptance and tokens per step")
     parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--eos-token-id", type=int, default=None,
                         help="also suppress this id by logit_bias (for peers without ignore_eos)")
@@ -286,7 +323,7 @@ def main() -> None:
     plan += [(None, float(r)) for r in filter(None, args.rates.split(","))]
     levels = []
     for index, (concurrency, rate) in enumerate(plan):
-        warm_up, prompts = level_prompts(args.num_requests, args.input_len, args.seed, index)
+        warm_up, prompts = level_prompts(args.num_requests, args.input_len, args.seed, index, args.workload)
         # On uvloop: at 32 streams the client used about a third less CPU than on asyncio's loop.
         levels.append(uvloop.run(run_level(args, warm_up, prompts, concurrency, rate)))
     print_table(levels)

@@ -36,7 +36,8 @@ async def main() -> None:
     engine_ids = itertools.count()
 
     def make_engine(address: str) -> EngineLoop:
-        engine = EngineLoop(WorkerClient(address), config.max_batch_size, config.max_prefill_tokens)
+        engine = EngineLoop(WorkerClient(address), config.max_batch_size, config.max_prefill_tokens,
+                            config.speculation)
         if metrics is not None:
             engine.metrics = metrics.engine(next(engine_ids))  # its `engine` label, kept while it lives
         return engine

@@ -128,6 +128,15 @@ class BlockManager:
             self.blocks[block_id].ref_count = 1
             seq.block_table.append(block_id)
 
+    def shrink(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back the blocks past those `num_tokens` tokens need (taken for drafted
+        tokens that were rejected: private, never committed)."""
+        while len(seq.block_table) > max(self.blocks_for(num_tokens), len(seq.block_hashes)):
+            block = self.blocks[seq.block_table.pop()]
+            assert block.ref_count == 1 and block.hash is None, f"block {block.block_id} is not a private tail"
+            block.ref_count = 0
+            self._free.append(block.block_id)
+
     def commit(self, seq: Sequence) -> None:
         """Register the sequence's newly computed full blocks in the prefix cache."""
         num_full = seq.num_computed_tokens // self.block_size

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from services.common.config import require, setting
 from services.common.drain import check_drain_timeout, drain_timeout_setting
 from services.common.model_files import DEFAULT_MODEL_NAME
+from services.scheduler.speculation import METHODS, SpeculationConfig
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,12 @@ class SchedulerConfig:
     metrics_port: int = setting(0, "HTTP port of the Prometheus /metrics endpoint; 0 = metrics off")
     model_name: str = setting(DEFAULT_MODEL_NAME, "the served model's name: the metrics' model_name label",
                               alias="modelName")
+    speculative_method: str = setting(
+        "off", "speculative decoding without a draft model: off (for the whole server), prompt_lookup (n-grams "
+        "of the prompt and output) or suffix (most frequent continuations in this and past outputs)")
+    speculative_max_draft_tokens: int = setting(8, "most tokens drafted for a sequence in one step")
+    speculative_draft_token_budget: int = setting(
+        24, "drafted tokens one step may carry, less one per running sequence (0 drafts from that many on)")
 
     def __post_init__(self) -> None:
         require(self.worker_discovery in ("static", "endpointslices"),
@@ -51,3 +58,11 @@ class SchedulerConfig:
         require(self.max_queue_size >= 1, "max_queue_size must be >= 1")
         check_drain_timeout(self.drain_timeout_s)
         require(0 <= self.metrics_port <= 65535, f"metrics_port must be in [0, 65535], got {self.metrics_port}")
+        require(self.speculative_method in METHODS, f"speculative_method must be one of {', '.join(METHODS)}")
+        require(1 <= self.speculative_max_draft_tokens <= 64, "speculative_max_draft_tokens must be in [1, 64]")
+        require(self.speculative_draft_token_budget >= 0, "speculative_draft_token_budget must be >= 0")
+
+    @property
+    def speculation(self) -> SpeculationConfig:
+        return SpeculationConfig(self.speculative_method, self.speculative_max_draft_tokens,
+                                 self.speculative_draft_token_budget)

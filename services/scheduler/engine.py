@@ -22,6 +22,7 @@ from services.common.errors import WORKER_LOST
 from services.scheduler.metrics import EngineMetrics
 from services.scheduler.policy import BatchPolicy, StepPlan, WorkerCapacity
 from services.scheduler.sequence import FinishReason, Sequence, TokenEvent
+from services.scheduler.speculation import SpeculationConfig, Speculator
 from services.scheduler.worker_client import WorkerClient, WorkerError, WorkerHealth
 
 log = logging.getLogger(__name__)
@@ -45,10 +46,13 @@ StreamItem = tuple[Sequence, TokenEvent] | SequenceFailed | None
 
 
 class EngineLoop:
-    def __init__(self, worker: WorkerClient, max_batch_size: int, max_prefill_tokens: int):
+    def __init__(self, worker: WorkerClient, max_batch_size: int, max_prefill_tokens: int,
+                 speculation: SpeculationConfig = SpeculationConfig()):
         self.worker = worker
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
+        # Outlives policies: its counts are the metrics', its global suffix counts stay useful.
+        self.speculator = Speculator(speculation)
         self.policy: BatchPolicy | None = None
         self.num_steps = 0
         self.num_sequences = 0  # placed here since start
@@ -241,7 +245,7 @@ class EngineLoop:
     def _become_ready(self, capacity: WorkerCapacity) -> None:
         # A (re)started worker holds no KV state: start from a fresh policy.
         self._retired_counts = self.cache_counts()
-        self.policy = BatchPolicy(capacity, self.max_batch_size, self.max_prefill_tokens)
+        self.policy = BatchPolicy(capacity, self.max_batch_size, self.max_prefill_tokens, self.speculator)
         self.is_draining = False
         self._ready.set()
         self._wakeup.set()

@@ -147,7 +147,8 @@ class EngineMetrics:
         """A step answered: `events` are the tokens it delivered (postprocess's result)."""
         prefills = decodes = 0
         for entry in plan.scheduled:
-            if entry.num_new_tokens == 1 and entry.num_computed_tokens >= entry.seq.num_prompt_tokens:
+            num_known = entry.num_new_tokens - len(entry.draft_token_ids)
+            if num_known == 1 and entry.num_computed_tokens >= entry.seq.num_prompt_tokens:
                 decodes += 1
             else:
                 prefills += 1
@@ -230,6 +231,14 @@ class _StateCollector(Collector):
         healthy = GaugeMetricFamily("stormserve:worker_healthy",
                                     "1 while the worker is serving and its KV state known, else 0.",
                                     labels=labels + ["worker"])
+        drafts = CounterMetricFamily("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", labels=labels)
+        draft_tokens = CounterMetricFamily("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.",
+                                           labels=labels)
+        accepted = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+                                       labels=labels)
+        waits = CounterMetricFamily(
+            "stormserve:spec_decode_waits",
+            "Times a sequence was not planned ahead so that it could draft from its next token.", labels=labels)
         for index, engine in enumerate(self.engines):
             label = engine.metrics.label if engine.metrics is not None else str(index)
             values = [self.metrics.model_name, label]
@@ -239,6 +248,11 @@ class _StateCollector(Collector):
             queries.add_metric(values, counts[0])
             hits.add_metric(values, counts[1])
             preemptions.add_metric(values, counts[2])
+            speculator = engine.speculator
+            drafts.add_metric(values, speculator.num_drafts)
+            draft_tokens.add_metric(values, speculator.num_draft_tokens)
+            accepted.add_metric(values, speculator.num_accepted_tokens)
+            waits.add_metric(values, speculator.num_waits)
             if policy is None:
                 continue
             num_running = len(policy.running)
@@ -250,4 +264,5 @@ class _StateCollector(Collector):
             used.add_metric(values, total - num_free)
             free.add_metric(values, num_free)
             cache_info.add_metric([str(policy.blocks.block_size), "True", label, str(total)], 1.0)
-        yield from (running, waiting, usage, cache_info, queries, hits, preemptions, used, free, healthy)
+        yield from (running, waiting, usage, cache_info, queries, hits, preemptions, used, free, healthy,
+                    drafts, draft_tokens, accepted, waits)

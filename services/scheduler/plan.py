@@ -37,12 +37,17 @@ class ScheduledSequence:
     # The sequence's preemption count at planning: a step planned before a
     # preemption no longer applies to it.
     epoch: int = 0
+    # Speculative decoding: tokens guessed to follow, fed after the sequence's
+    # last token to be verified (counted in num_new_tokens; see speculation.py).
+    draft_token_ids: tuple[int, ...] = ()
 
     @property
     def token_ids(self) -> list[int]:
         if self.feeds_last_sampled:
             return []
-        return self.seq.all_token_ids[self.num_computed_tokens : self.num_computed_tokens + self.num_new_tokens]
+        num_known = self.num_new_tokens - len(self.draft_token_ids)
+        known = self.seq.all_token_ids[self.num_computed_tokens : self.num_computed_tokens + num_known]
+        return known + list(self.draft_token_ids)
 
 
 @dataclass
@@ -68,6 +73,7 @@ class SampledToken:
     token_id: int
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] = ()
+    num_accepted_draft_tokens: int = 0  # drafted tokens kept before token_id
 
 
 class CapacityError(ValueError):

@@ -30,6 +30,11 @@ whose result is dropped; a preemption makes any planned step's result stale
 
 Beam search (select, fork and end beams on these blocks and queues) is in
 beam_steps.py.
+
+Speculative decoding (speculation.py): a decoding sequence whose last token is
+known may carry a draft after it; its step then yields up to 1 + the draft's
+length tokens, the blocks it took for rejected drafts go back, and it is not
+planned ahead while it drafts.
 """
 from __future__ import annotations
 
@@ -48,11 +53,14 @@ from services.scheduler.plan import (  # noqa: F401 - re-exported: the policy's 
     WorkerCapacity,
 )
 from services.scheduler.sequence import FinishReason, Sequence, SequenceStatus, TokenEvent
+from services.scheduler.speculation import SpeculationConfig, Speculator
 
 
 class BatchPolicy(BeamSteps):
-    def __init__(self, capacity: WorkerCapacity, max_batch_size: int, max_prefill_tokens: int):
+    def __init__(self, capacity: WorkerCapacity, max_batch_size: int, max_prefill_tokens: int,
+                 speculator: Speculator | None = None):
         self.capacity = capacity
+        self.speculator = speculator or Speculator(SpeculationConfig())
         self.max_batch_size = min(max_batch_size, capacity.max_batch_size)
         self.max_prefill_tokens = max_prefill_tokens
         self.blocks = BlockManager(capacity.num_kv_blocks, capacity.block_size)
@@ -195,6 +203,9 @@ class BatchPolicy(BeamSteps):
                 del self._planned[seq.seq_id]
             if seq.is_finished or entry.epoch != seq.epoch:  # ended or preempted after planning
                 continue
+            if entry.draft_token_ids:
+                events += self._take_verified(entry, sampled[seq.seq_id], plan, started_us, finished_us)
+                continue
             seq.num_computed_tokens = entry.num_computed_tokens + entry.num_new_tokens
             self.blocks.commit(seq)
             if not entry.is_sampling:
@@ -230,6 +241,29 @@ class BatchPolicy(BeamSteps):
                 events += self._advance_beams(search)
         return events
 
+    def _take_verified(self, entry: ScheduledSequence, token: SampledToken, plan: StepPlan, started_us: int,
+                       finished_us: int) -> list[tuple[Sequence, TokenEvent]]:
+        """Append the drafts the worker kept and the token it sampled after them (up to
+        a stop token or max_tokens); give back the blocks taken for the rejected ones.
+        The tokens share the step's batch size, and its queue wait and latency evenly."""
+        seq, kept = entry.seq, token.num_accepted_draft_tokens
+        self.speculator.on_verified(seq, len(entry.draft_token_ids), kept)
+        new_tokens = list(entry.draft_token_ids[:kept]) + [token.token_id]
+        for n, token_id in enumerate(new_tokens):
+            if self._is_stop_token(seq, token_id) or len(seq.output_token_ids) + n + 1 >= seq.stopping.max_tokens:
+                new_tokens = new_tokens[: n + 1]
+                break
+        seq.output_token_ids.extend(new_tokens)
+        seq.num_computed_tokens = min(entry.num_computed_tokens + 1 + kept, seq.num_tokens - 1)
+        self.blocks.commit(seq)
+        self.blocks.shrink(seq, seq.num_tokens)
+        share = len(new_tokens)
+        queue_wait_us = max(0, started_us - seq.last_event_us) // share
+        latency_ms = max(0, finished_us - seq.last_event_us) / 1000.0 / share
+        seq.last_event_us = finished_us
+        self._check_finished(seq, new_tokens[-1])
+        return [(seq, TokenEvent(t, plan.batch_size, queue_wait_us, latency_ms)) for t in new_tokens]
+
     def _spend_thinking_budget(self, seq: Sequence) -> list[int]:
         """Once the budget is spent inside the think block, append the early-stop
         tokens (as many as max_tokens leaves room for); returns what was appended."""
@@ -261,6 +295,7 @@ class BatchPolicy(BeamSteps):
             seq.beam.drop(seq)
         self._copies.pop(seq.seq_id, None)
         self._planned.pop(seq.seq_id, None)
+        self.speculator.on_finished(seq)
         if seq.forks:
             self._orphan_forks(seq)
         if seq.status is SequenceStatus.FORK_PENDING:
@@ -349,12 +384,14 @@ class BatchPolicy(BeamSteps):
             return computed, seq.num_tokens
         budget = seq.stopping.thinking_budget
         if (seq.beam is not None or (budget is not None and not seq.is_thinking_done)
-                or len(seq.output_token_ids) + 1 >= seq.stopping.max_tokens):
+                or len(seq.output_token_ids) + 1 >= seq.stopping.max_tokens
+                or entry.draft_token_ids or self.speculator.wants_draft(seq, self._num_drafting_load)):
             return None
         return computed, seq.num_tokens + 1  # the token in flight
 
-    def _schedule_entry(self, seq: Sequence, computed: int, num_new: int) -> ScheduledSequence:
-        total = computed + num_new
+    def _schedule_entry(self, seq: Sequence, computed: int, num_new: int,
+                        draft: tuple[int, ...] = ()) -> ScheduledSequence:
+        total = computed + num_new - len(draft)
         in_flight = self._planned.get(seq.seq_id)
         feeds_last_sampled = in_flight is not None and in_flight.is_sampling
         entry = ScheduledSequence(
@@ -363,6 +400,7 @@ class BatchPolicy(BeamSteps):
             is_sampling=feeds_last_sampled or total == seq.num_tokens,
             sends_sampling=not seq.is_sent_to_worker,
             epoch=seq.epoch,
+            draft_token_ids=draft,
         )
         seq.is_sent_to_worker = True
         return entry
@@ -370,6 +408,7 @@ class BatchPolicy(BeamSteps):
     def _schedule_decodes(self, batch: list[ScheduledSequence]) -> bool:
         """Add a one-token step for every decoding sequence; returns whether any was preempted."""
         has_preempted = False
+        draft_budget = self.speculator.draft_budget(self._num_drafting_load)
         for seq in list(self.running):
             position = self._position(seq)
             if seq.status is not SequenceStatus.RUNNING or position is None or position[1] - position[0] != 1:
@@ -385,8 +424,28 @@ class BatchPolicy(BeamSteps):
                     break
             if seq.status is SequenceStatus.RUNNING:
                 self.blocks.grow(seq, total)
-                batch.append(self._schedule_entry(seq, computed, 1))
+                draft = self._draft(seq, total, draft_budget)
+                draft_budget -= len(draft)
+                self.blocks.grow(seq, total + len(draft))
+                batch.append(self._schedule_entry(seq, computed, 1 + len(draft), draft))
         return has_preempted
+
+    @property
+    def _num_drafting_load(self) -> int:
+        """What the step's draft budget is measured against: the running sequences,
+        or the whole budget while requests wait for admission (the batch is
+        filling up: its steps are better spent admitting them)."""
+        return len(self.running) + (self.speculator.config.draft_token_budget if self.waiting else 0)
+
+    def _draft(self, seq: Sequence, total: int, budget: int) -> tuple[int, ...]:
+        """A draft for a decoding sequence whose last token is known: within the step's
+        budget, max_tokens, and blocks that leave one for every running sequence."""
+        if budget <= 0 or seq.seq_id in self._planned:
+            return ()
+        spare_blocks = max(0, self.blocks.num_free_blocks - len(self.running))
+        room = (len(seq.block_table) + spare_blocks) * self.blocks.block_size - total
+        max_len = min(budget, room, seq.stopping.max_tokens - len(seq.output_token_ids) - 1)
+        return tuple(self.speculator.propose(seq, max_len))
 
     def _grow_chunk(self, seq: Sequence, budget: int) -> int:
         """Take blocks for the next prefill chunk of `seq`, as long as budget and blocks allow."""
@@ -420,10 +479,14 @@ class BatchPolicy(BeamSteps):
         batch.append(self._schedule_entry(seq, cached, chunk))
         return True
 
-    def _check_finished(self, seq: Sequence, token_id: int) -> None:
+    def _is_stop_token(self, seq: Sequence, token_id: int) -> bool:
         stopping = seq.stopping
         is_eos = token_id in self.capacity.eos_token_ids and not stopping.ignore_eos
-        if is_eos or token_id in stopping.stop_token_ids:
+        return is_eos or token_id in stopping.stop_token_ids
+
+    def _check_finished(self, seq: Sequence, token_id: int) -> None:
+        stopping = seq.stopping
+        if self._is_stop_token(seq, token_id):
             seq.ended_by_stop_token = True
             self.finish(seq, FinishReason.STOP)
         elif len(seq.output_token_ids) >= stopping.max_tokens:

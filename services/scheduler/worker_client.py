@@ -105,6 +105,7 @@ def _sequence_step(entry: ScheduledSequence) -> worker_pb2.SequenceStep:
         sample=entry.is_sampling,
         block_table=seq.block_table,
         feed_last_sampled=entry.feeds_last_sampled,
+        num_draft_tokens=len(entry.draft_token_ids),
     )
     if entry.sends_sampling:
         step.num_prompt_tokens = seq.num_prompt_tokens
@@ -143,6 +144,7 @@ def sampled_tokens(reply: worker_pb2.StepResponse) -> dict[int, SampledToken]:
             token_id=t.token_id,
             logprob=t.logprob if t.HasField("logprob") else None,
             top_logprobs=tuple((a.token_id, a.logprob) for a in t.top_logprobs),
+            num_accepted_draft_tokens=t.num_accepted_draft_tokens,
         )
         for t in reply.tokens
     }

@@ -74,6 +74,7 @@ def step_from_proto(
             num_prompt_tokens=s.num_prompt_tokens,
             feed_last_sampled=s.feed_last_sampled,
             images=tuple(image_from_proto(i) for i in s.images),
+            num_draft_tokens=s.num_draft_tokens,
         )
         for s in request.sequences
     ]
@@ -84,7 +85,8 @@ def step_from_proto(
 def step_to_proto(step_id: int, result: StepResult) -> worker_pb2.StepResponse:
     response = worker_pb2.StepResponse(step_id=step_id, execute_time_us=result.execute_time_us)
     for token in result.tokens:
-        entry = response.tokens.add(seq_id=token.seq_id, token_id=token.token_id)
+        entry = response.tokens.add(seq_id=token.seq_id, token_id=token.token_id,
+                                    num_accepted_draft_tokens=token.num_accepted_draft_tokens)
         if token.logprob is not None:
             entry.logprob = token.logprob
         for alternative in token.top_logprobs:

@@ -25,7 +25,7 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from services.common.errors import invalid_argument
 from services.common.media_parts import has_vision_tower
-from services.worker import attention, sampler
+from services.worker import attention, sampler, speculative
 from services.worker.platforms import Platform, torch_dtype
 from services.worker.checkpoint import Checkpoint
 from services.worker.decoder import LeanDecoder
@@ -321,7 +321,8 @@ class ModelRunner:
                 self._record_fed_tokens(state, s)
             if state.matcher is not None:
                 self._replay_grammar(state, s)
-            state.num_cached_tokens = s.num_computed_tokens + len(s.token_ids)
+            # Drafts count once kept (_sample adds them).
+            state.num_cached_tokens = s.num_computed_tokens + len(s.token_ids) - s.num_draft_tokens
         return logits
 
     def _validate(self, inputs: list[SequenceInput]) -> None:
@@ -344,6 +345,7 @@ class ModelRunner:
                 if s.sampling is None:
                     raise invalid_argument(f"seq {s.seq_id}: sampling is required on its first step")
                 s.sampling.validate()
+                speculative.validate_draft(s, s.sampling)
                 if s.num_computed_tokens < 0 or s.num_prompt_tokens < 0:
                     raise invalid_argument(f"seq {s.seq_id}: negative num_computed_tokens or num_prompt_tokens")
                 if s.images and not isinstance(self.decoder, VisionLanguageDecoder):
@@ -354,6 +356,8 @@ class ModelRunner:
                     f"seq {s.seq_id}: num_computed_tokens {s.num_computed_tokens} but the worker "
                     f"holds {state.num_cached_tokens} tokens"
                 )
+            else:
+                speculative.validate_draft(s, state.sampling)
             context = s.num_computed_tokens + len(s.token_ids)
             if self.max_position_embeddings and context > self.max_position_embeddings:
                 raise invalid_argument(
@@ -437,13 +441,13 @@ class ModelRunner:
         )
         flat_ids = [t for s in inputs for t in s.token_ids]
         input_ids = torch.tensor(flat_ids, dtype=torch.long, device=device)
-        # Logits only for each sampling sequence's last new token: the lm_head over
-        # the whole vocab is the costliest matmul of a decode step.
+        # Logits only for each sampling sequence's last new token (and its drafted
+        # ones): the lm_head over the whole vocab is the costliest matmul of a decode step.
         last_rows, end = [], 0
         for s in inputs:
             end += len(s.token_ids)
             if s.sample:
-                last_rows.append(end - 1)
+                last_rows.extend(range(end - speculative.num_rows(s), end))
         logit_rows = torch.tensor(last_rows, dtype=torch.long, device=device)
         if isinstance(self.decoder, VisionLanguageDecoder):
             images = [(self.sequences[s.seq_id].images, s.num_computed_tokens, len(s.token_ids)) for s in inputs]
@@ -463,9 +467,14 @@ class ModelRunner:
                 state.output_token_ids.append(token)
 
     def _sample(self, logits: torch.Tensor, inputs: list[SequenceInput]) -> list[SampledToken]:
-        states = [self.sequences[s.seq_id] for s in inputs]
-        for state in states:
-            self._skip_recomputed_draws(state)
+        """One token per input, from its logit rows (several for a draft: speculative.py)."""
+        for s in inputs:
+            self._skip_recomputed_draws(self.sequences[s.seq_id])
+        # Row order: each input's rows in turn; a drafting sequence's generator is
+        # listed once per row, so its numbers are drawn in position order.
+        states = [self.sequences[s.seq_id] for s in inputs for _ in range(speculative.num_rows(s))]
+        rewind_to = {s.seq_id: self.sequences[s.seq_id].generator.get_state() for s in inputs
+                     if s.num_draft_tokens and self.sequences[s.seq_id].generator is not None}
         params = [st.sampling for st in states]
         if any(p.has_penalties for p in params):
             logits = apply_penalties(
@@ -478,15 +487,24 @@ class ModelRunner:
         if any(m is not None for m in matchers):
             self.guided.mask_logits(logits, matchers)
         out = sampler.sample(logits, params, [st.generator for st in states])
-        tokens = []
-        for i, (s, state) in enumerate(zip(inputs, states)):
+        tokens, row = [], 0
+        for s in inputs:
+            state = self.sequences[s.seq_id]
+            kept = speculative.num_accepted(s.token_ids[len(s.token_ids) - s.num_draft_tokens:],
+                                            out.token_ids[row:row + s.num_draft_tokens])
+            if s.num_draft_tokens:
+                speculative.rewind(state.generator, rewind_to.get(s.seq_id), kept + 1)
+                state.num_cached_tokens += kept
+                state.num_draws += kept
+            i = row + kept
+            row += speculative.num_rows(s)
             if state.sampling.has_penalties:
                 state.output_token_ids.append(out.token_ids[i])
             if state.matcher is not None:
                 self.guided.advance(state.matcher, out.token_ids[i])
                 state.num_grammar_tokens += 1
             state.last_sampled = out.token_ids[i]
-            tokens.append(SampledToken(s.seq_id, out.token_ids[i], out.logprobs[i], out.top_logprobs[i]))
+            tokens.append(SampledToken(s.seq_id, out.token_ids[i], out.logprobs[i], out.top_logprobs[i], kept))
         return tokens
 
     @staticmethod

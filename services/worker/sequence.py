@@ -76,6 +76,8 @@ class SequenceInput:
     the sequence in its previous step (the caller planned this step before it
     saw that one's result). images: a vision-language model's images of the
     sequence, with `sampling` only (the worker keeps them until release).
+    num_draft_tokens: the last that many token_ids are a draft to verify (see
+    speculative.py).
     """
 
     seq_id: int
@@ -87,6 +89,7 @@ class SequenceInput:
     num_prompt_tokens: int = 0
     feed_last_sampled: bool = False
     images: tuple[ImageInput, ...] = ()
+    num_draft_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,7 @@ class SampledToken:
     token_id: int
     logprob: float | None = None  # set when top_logprobs >= 0
     top_logprobs: list[TokenLogprob] = field(default_factory=list)  # best first
+    num_accepted_draft_tokens: int = 0  # drafts kept before token_id
 
 
 @dataclass(frozen=True)

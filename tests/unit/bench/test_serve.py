@@ -6,7 +6,17 @@ import asyncio
 
 import pytest
 
-from bench.serve import HTTPStatusError, level_prompts, make_prompts, percentiles, plot, post_events
+from bench.grounded import make_grounded_prompts
+from bench.serve import (
+    SCHEDULER_COUNTERS,
+    HTTPStatusError,
+    level_prompts,
+    make_prompts,
+    percentiles,
+    plot,
+    post_events,
+    speculation_figures,
+)
 
 
 def test_dataset_is_fixed_by_the_seed():
@@ -89,3 +99,22 @@ def test_client_reports_a_refusal_with_its_body():
     response = b"HTTP/1.1 422 Unprocessable Entity\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
     with pytest.raises(HTTPStatusError, match="HTTP 422.*bad temperature"):
         asyncio.run(_collect(response))
+
+
+def test_grounded_prompts_are_fixed_by_the_seed_and_hold_their_source():
+    assert make_grounded_prompts(6, 200, seed=1) == make_grounded_prompts(6, 200, seed=1)
+    assert make_grounded_prompts(6, 200, seed=1) != make_grounded_prompts(6, 200, seed=2)
+    for prompt in make_grounded_prompts(12, 200, seed=3):
+        instruction, source = prompt.split("\n\n", 1)
+        assert len(source.split()) >= 100  # about 200 tokens to copy from
+    warm_up, measured = level_prompts(4, 100, seed=0, level=0, workload="grounded")
+    assert warm_up not in measured and len(set(measured)) == 4
+
+
+def test_speculation_figures_from_counter_deltas():
+    before = dict.fromkeys(SCHEDULER_COUNTERS, 10.0)
+    after = dict(zip(SCHEDULER_COUNTERS, (20.0, 50.0, 40.0, 110.0, 60.0)))
+    figures = speculation_figures(before, after)
+    assert figures["acceptance_rate"] == 30 / 40
+    assert figures["tokens_per_draft"] == 1 + 30 / 10
+    assert figures["tokens_per_step"] == 100 / 50

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from services.scheduler.policy import BatchPolicy
 from services.scheduler.sequence import FinishReason, SamplingParams
+from services.scheduler.speculation import SpeculationConfig
 from tests.unit.scheduler.test_policy import FakeWorker, make_policy, make_seq, run_step
 
 
@@ -119,13 +122,18 @@ def test_partial_prompts_holding_every_block_do_not_deadlock():
     assert sorted(outputs) == [1, 2, 3] and policy.num_free_blocks == 6
 
 
-def test_no_block_leaks_after_any_mix_of_finish_cancel_preempt_and_error():
+@pytest.mark.parametrize("speculation", [None, SpeculationConfig("prompt_lookup", 4, 12),
+                                         SpeculationConfig("suffix", 6, 12)], ids=["off", "lookup", "suffix"])
+def test_no_block_leaks_after_any_mix_of_finish_cancel_preempt_and_error(speculation):
+    """With speculation too: drafts kept whole, in part or not at all (the worker's
+    text mostly repeats itself), under preemption, cancel and worker errors."""
     rng = random.Random(1234)
+    drafted = accepted = 0
     for trial in range(40):
         num_blocks = rng.randint(6, 20)
         policy = make_policy(num_blocks=num_blocks, max_batch_size=rng.randint(1, 6),
-                             max_prefill_tokens=rng.randint(1, 16))
-        worker = FakeWorker(policy=policy)
+                             max_prefill_tokens=rng.randint(1, 16), speculation=speculation)
+        worker = FakeWorker(policy=policy, copy_period=3 if speculation else None)
         live, next_id = [], 1
         for _ in range(rng.randint(10, 60)):
             if rng.random() < 0.5:
@@ -150,3 +158,6 @@ def test_no_block_leaks_after_any_mix_of_finish_cancel_preempt_and_error():
         assert policy.num_free_blocks == num_blocks, trial
         assert all(b.ref_count == 0 for b in policy.blocks.blocks), trial
         assert not policy.running and not policy.waiting
+        drafted += policy.speculator.num_draft_tokens
+        accepted += policy.speculator.num_accepted_tokens
+    assert (0 < accepted < drafted) if speculation else drafted == 0

@@ -12,6 +12,7 @@ from services.common.metrics import build_1_2_5_buckets
 from services.scheduler.engine import EngineLoop
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.sequence import FinishReason
+from services.scheduler.speculation import SpeculationConfig
 from tests.unit.scheduler.test_policy import BLOCK_SIZE, FakeWorker, make_policy, make_seq
 
 MODEL = "m"
@@ -155,3 +156,37 @@ def test_prefix_cache_counts_queries_and_hits_in_tokens_across_worker_restarts()
     samples = scrape(metrics)
     assert value(samples, "vllm:prefix_cache_queries_total") == 18
     assert value(samples, "vllm:num_preemptions_total") == 0
+
+
+def test_speculative_decoding_counters_follow_the_drafts():
+    engine = EngineLoop(SimpleNamespace(address="w0"), 8, 1000, SpeculationConfig("prompt_lookup", 4, 16))
+    policy = make_policy(speculator=engine.speculator)
+    engine.policy = policy
+    engine._ready.set()
+    metrics = SchedulerMetrics(MODEL, 100, [engine])
+    engine.metrics = metrics.engine(0)
+    worker = FakeWorker(policy=policy, copy_period=3)
+    seq = make_seq(1, prompt_len=6, max_tokens=40)
+    policy.add(seq)
+    drafted = accepted = drafts = delivered = steps_with_tokens = 0
+    now = 1_000
+    while policy.has_work():
+        plan = policy.schedule()
+        events = policy.postprocess(plan, worker.step(plan), now, now + 10_000)
+        engine.metrics.on_step(plan, events, now, now + 10_000)
+        now += 10_000
+        delivered += len(events)
+        steps_with_tokens += bool(events)
+        for entry in plan.scheduled:
+            if entry.draft_token_ids:
+                drafts += 1
+                drafted += len(entry.draft_token_ids)
+                accepted += len(events) - 1
+    samples = scrape(metrics)
+    assert 0 < accepted < drafted
+    assert value(samples, "vllm:spec_decode_num_drafts_total") == drafts
+    assert value(samples, "vllm:spec_decode_num_draft_tokens_total") == drafted
+    assert value(samples, "vllm:spec_decode_num_accepted_tokens_total") == accepted
+    assert value(samples, "vllm:generation_tokens_total") == delivered == 40
+    # Tokens of one step: one inter-token latency each step after the first token.
+    assert value(samples, "vllm:inter_token_latency_seconds_count") == steps_with_tokens - 1

@@ -14,15 +14,19 @@ from services.scheduler.sequence import (
     StoppingCriteria,
     ThinkingBudget,
 )
+from services.scheduler.speculation import Speculator
 
 EOS = 2
 BLOCK_SIZE = 4
 
 
-def make_policy(num_blocks=100, block_size=BLOCK_SIZE, max_batch_size=8, max_prefill_tokens=1000):
+def make_policy(num_blocks=100, block_size=BLOCK_SIZE, max_batch_size=8, max_prefill_tokens=1000, speculation=None,
+                speculator=None):
     capacity = WorkerCapacity(num_kv_blocks=num_blocks, block_size=block_size, max_batch_size=64,
                               eos_token_ids=frozenset({EOS}))
-    return BatchPolicy(capacity, max_batch_size, max_prefill_tokens)
+    if speculation is not None:
+        speculator = Speculator(speculation)
+    return BatchPolicy(capacity, max_batch_size, max_prefill_tokens, speculator)
 
 
 def make_seq(seq_id, prompt_len=5, max_tokens=4, arrival_us=1_000, **stopping):
@@ -36,10 +40,15 @@ class FakeWorker:
     written only through the block tables it is sent, and samples either a fixed token
     or one derived from the whole context it reads back and the seed — so a wrong
     table, a wrong num_computed_tokens or a write into a shared block changes the text
-    or fails. Logprobs (when asked) are a function of the token."""
+    or fails. Logprobs (when asked) are a function of the token. With `copy_period`
+    the text mostly repeats itself (the token that many positions back), as text a
+    draft can guess. A drafted step is verified as on the real worker: a token is
+    sampled after every fed token from the last known one on, and the drafts are
+    kept up to the first that differs from its position's sample."""
 
-    def __init__(self, token=None, policy=None):
+    def __init__(self, token=None, policy=None, copy_period=None):
         self.token = token
+        self.copy_period = copy_period
         self.policy = policy
         self.slots: dict[int, int] = {}
         self.computed: dict[int, int] = {}  # seq_id -> tokens the worker holds
@@ -84,12 +93,23 @@ class FakeWorker:
                 if self.policy is not None:
                     assert self.policy.blocks.blocks[block].ref_count == 1, "write into a shared block"
                 self.slots[block * BLOCK_SIZE + position % BLOCK_SIZE] = token
+            draft = list(e.draft_token_ids)
+            end -= len(draft)
             self.computed[seq.seq_id] = end
             if e.is_sampling:
                 context = [self.slots[table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE] for p in range(end)]
-                # The seed picks the "random" stream, as on the real worker.
+                token = self.next_token(context, seq.sampling.seed)
+                kept = 0
+                while kept < len(draft) and token == draft[kept]:  # read back from the KV written
+                    context.append(self.slots[table[end // BLOCK_SIZE] * BLOCK_SIZE + end % BLOCK_SIZE])
+                    end, kept = end + 1, kept + 1
+                    token = self.next_token(context, seq.sampling.seed)
+                self.computed[seq.seq_id] = end
+                if draft:
+                    sampled[seq.seq_id] = SampledToken(seq.seq_id, token, num_accepted_draft_tokens=kept)
+                    self.last_sampled[seq.seq_id] = token
+                    continue
                 mixed = sum((i + 1) * t for i, t in enumerate(context)) + seq.sampling.seed
-                token = self.token if self.token is not None else 10 + mixed % 37
                 logprob = -0.1 - (token % 7) / 4 if seq.sampling.top_logprobs >= 0 else None
                 alternatives = ()
                 if seq.sampling.top_logprobs > 0:  # greedy over a distribution of the context
@@ -98,6 +118,15 @@ class FakeWorker:
                 sampled[seq.seq_id] = SampledToken(seq.seq_id, token, logprob, alternatives)
                 self.last_sampled[seq.seq_id] = token
         return sampled
+
+    def next_token(self, context: list[int], seed: int) -> int:
+        # The seed picks the "random" stream, as on the real worker.
+        mixed = sum((i + 1) * t for i, t in enumerate(context)) + seed
+        if self.token is not None:
+            return self.token
+        if self.copy_period is not None and len(context) >= self.copy_period and mixed % 5:
+            return context[-self.copy_period]
+        return 10 + mixed % 37
 
 
 def distribution(context: list[int]) -> list[tuple[int, float]]:

@@ -8,9 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.worker import attention
-from services.worker.kv_cache import KVCachePool, KVCacheSpec
 from services.worker.platforms.cuda import CudaPlatform, VarlenAttention
+from tests.unit.worker.paged_oracle import assert_matches_sdpa
 
 CPU = torch.device("cpu")
 
@@ -62,24 +61,9 @@ def test_varlen_plumbing_matches_sdpa(heads, kv_heads, head_dim, window):
     prefix that spans pages, in one step; pages scattered over the pool."""
     block_size = 256
     torch.manual_seed(heads + head_dim)
-    spec = KVCacheSpec(num_layers=2, num_kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
-                       dtype=torch.float32)
-    pool = KVCachePool(spec, 12, CPU)
-    pool.key_cache.normal_()
-    pool.value_cache.normal_()
-    new = [1, 1, 1, 3, 21, 19, 100]
-    computed = [0, block_size - 1, block_size + 4, 0, 0, 30, 300]
-    free = torch.randperm(pool.num_blocks).tolist()
-    tables = [[free.pop() for _ in range(-(-(n + c) // block_size))] for n, c in zip(new, computed)]
     kernel = VarlenAttention(heads, kv_heads, head_dim, block_size, attend=reference_varlen_attn)
-    rows = sum(new)
-    q = torch.randn(rows, heads, head_dim)
-    k, v = torch.randn(rows, kv_heads, head_dim), torch.randn(rows, kv_heads, head_dim)
-    oracle = attention.paged_attention(
-        q, k, v, 1, attention.build_paged_step(pool, new, computed, tables, CPU), None, window)
-    varlen = attention.paged_attention(
-        q, k, v, 1, attention.build_paged_step(pool, new, computed, tables, CPU, kernel), None, window)
-    torch.testing.assert_close(varlen, oracle, atol=2e-6, rtol=2e-6)
+    assert_matches_sdpa(kernel, heads, kv_heads, head_dim, block_size, 12, new=[1, 1, 1, 3, 21, 19, 100],
+                        computed=[0, block_size - 1, block_size + 4, 0, 0, 30, 300], window=window)
 
 
 def test_flash_pages_by_multiples_of_256_in_half_precision():

@@ -12,12 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.worker import attention
-from services.worker.kv_cache import KVCachePool, KVCacheSpec
 from services.worker.model_runner import ModelRunner
 from services.worker.platforms.cpu import CpuPlatform
 from services.worker.sequence import SamplingParams
 from tests.unit.worker.block_tables import BlockTables
+from tests.unit.worker.paged_oracle import assert_matches_sdpa
 
 FAKE_NPU = Path(__file__).resolve().parents[2] / "fake_npu"
 CPU = torch.device("cpu")
@@ -44,24 +43,9 @@ def test_fused_attention_matches_sdpa(npu_platform, heads, kv_heads, head_dim, b
     from services.worker.platforms.npu import NpuAttention
 
     torch.manual_seed(heads + block_size)
-    spec = KVCacheSpec(num_layers=2, num_kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
-                       dtype=torch.float32)
-    pool = KVCachePool(spec, 16, CPU)
-    pool.key_cache.normal_()
-    pool.value_cache.normal_()
-    new = [1, 1, 1, 3, 21, 19, 150]
-    computed = [0, block_size - 1, block_size + 4, 0, 0, 30, 200]
-    free = torch.randperm(pool.num_blocks).tolist()
-    tables = [[free.pop() for _ in range(-(-(n + c) // block_size))] for n, c in zip(new, computed)]
     kernel = NpuAttention(npu_platform._npu, heads, kv_heads, head_dim, block_size, CPU)
-    rows = sum(new)
-    q = torch.randn(rows, heads, head_dim)
-    k, v = torch.randn(rows, kv_heads, head_dim), torch.randn(rows, kv_heads, head_dim)
-    reference = attention.paged_attention(
-        q, k, v, 1, attention.build_paged_step(pool, new, computed, tables, CPU), None, window)
-    fused = attention.paged_attention(
-        q, k, v, 1, attention.build_paged_step(pool, new, computed, tables, CPU, kernel), None, window)
-    torch.testing.assert_close(fused, reference, atol=2e-6, rtol=2e-6)
+    assert_matches_sdpa(kernel, heads, kv_heads, head_dim, block_size, 16, new=[1, 1, 1, 3, 21, 19, 150],
+                        computed=[0, block_size - 1, block_size + 4, 0, 0, 30, 200], window=window)
 
 
 def test_fused_attention_needs_its_block_sizes_and_dtypes(npu_platform):

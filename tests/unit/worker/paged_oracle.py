@@ -1,0 +1,33 @@
+"""One paged attention step as the platforms' kernels see it, held to the SDPA
+path (attention.py's own, over gathered K/V): the oracle of the CUDA and NPU
+attention tests."""
+from __future__ import annotations
+
+import torch
+
+from services.worker import attention
+from services.worker.kv_cache import KVCachePool, KVCacheSpec
+
+CPU = torch.device("cpu")
+
+
+def assert_matches_sdpa(kernel, heads: int, kv_heads: int, head_dim: int, block_size: int, num_blocks: int,
+                        new: list[int], computed: list[int], window: int | None) -> None:
+    """Sequence i feeds new[i] tokens after computed[i] cached ones, its blocks
+    scattered over a random float32 pool (no rounding to hide a layout
+    mistake): `kernel`'s attention must equal SDPA's."""
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
+                       dtype=torch.float32)
+    pool = KVCachePool(spec, num_blocks, CPU)
+    pool.key_cache.normal_()
+    pool.value_cache.normal_()
+    free = torch.randperm(pool.num_blocks).tolist()
+    tables = [[free.pop() for _ in range(-(-(n + c) // block_size))] for n, c in zip(new, computed)]
+    rows = sum(new)
+    q = torch.randn(rows, heads, head_dim)
+    k, v = torch.randn(rows, kv_heads, head_dim), torch.randn(rows, kv_heads, head_dim)
+    oracle = attention.paged_attention(
+        q, k, v, 1, attention.build_paged_step(pool, new, computed, tables, CPU), None, window)
+    tested = attention.paged_attention(
+        q, k, v, 1, attention.build_paged_step(pool, new, computed, tables, CPU, kernel), None, window)
+    torch.testing.assert_close(tested, oracle, atol=2e-6, rtol=2e-6)

@@ -58,23 +58,16 @@ def record_of(scope: Scope) -> RequestRecord | None:
     return scope.get(RECORD_SCOPE_KEY)
 
 
-def header_trace_id(scope: Scope) -> str | None:
-    """The trace id of a valid W3C `traceparent` header (version-traceid-spanid-flags)."""
-    for name, value in scope.get("headers", ()):
-        if name == b"traceparent":
-            parts = value.decode("latin-1").strip().split("-")
-            if len(parts) >= 4 and len(parts[1]) == 32 and parts[1] != "0" * 32:
-                try:
-                    int(parts[1], 16)
-                except ValueError:
-                    return None
-                return parts[1]
-    return None
-
-
 def _trace_headers(scope: Scope) -> dict[str, str]:
     return {name.decode("latin-1"): value.decode("latin-1") for name, value in scope.get("headers", ())
             if name in (b"traceparent", b"tracestate")}
+
+
+def header_trace_id(scope: Scope) -> str | None:
+    """The trace id of a valid W3C `traceparent` header (version-traceid-spanid-flags)."""
+    value = _trace_headers(scope).get("traceparent")
+    context = tracing.span_context_of(value) if value else None
+    return None if context is None else format(context.trace_id, "032x")
 
 
 def _end_span(span: trace.Span, scope: Scope, record: RequestRecord, status: int, template: str) -> None:

@@ -39,9 +39,10 @@ def test_kernel_matches_sdpa(dtype, heads, kv_heads, head_dim, block_size, windo
     # (new tokens, cached tokens): decodes of contexts 1, 2, block_size,
     # block_size + 1 and a long one; a fresh 3-token prompt, a fresh 21-token
     # prompt, a 19-token chunk after 30 cached tokens, and a 150-token chunk
-    # after 100 (its keys span more than one of the kernel's key blocks).
-    new = [1, 1, 1, 1, 1, 3, 21, 19, 150]
-    computed = [0, 1, block_size - 1, block_size, 3 * block_size + 4, 0, 0, 30, 100]
+    # after 100 (its keys span more than one of the kernel's key blocks), and
+    # a decode with a 4-token draft (5 rows, run as decode rows) after 60.
+    new = [1, 1, 1, 1, 1, 3, 21, 19, 150, 5]
+    computed = [0, 1, block_size - 1, block_size, 3 * block_size + 4, 0, 0, 30, 100, 60]
     free = torch.randperm(pool.num_blocks).tolist()
     tables = [[free.pop() for _ in range(-(-(n + c) // block_size))] for n, c in zip(new, computed)]
     steps = [

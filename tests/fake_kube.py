@@ -18,8 +18,11 @@ makes:
      {"type": "ERROR", "object": Status}   (code 410 for a compacted version)
   A watch from a resourceVersion older than the last `compact()` gets 410:
   an ERROR event in the stream (what a real API server sends), or an HTTP 410
-  Status reply if `gone_as_http` is set; `compact()` also ends the open
-  watches with that ERROR event (as a watch that fell behind the cache is).
+  Status reply if `gone_as_http` is set (which a client must take the same
+  way); `compact()` also ends the open watches with that ERROR event (as a
+  watch that fell behind the cache is). A client watches from the version its
+  list returned, so for a new watch to get 410 the compaction must come
+  between the list and the watch: `before_next_watch(kube.compact)`.
 
 Anything else answers 404 with a Status body. Each slice's resourceVersion is
 the global counter at its last change, as etcd's.
@@ -35,10 +38,13 @@ Use:
     kube.set_slices_quietly("default", [...])  # change without events (lost events)
     kube.compact()                       # open watches end with an ERROR 410 event;
                                          # a watch from an older version gets 410
+    kube.before_next_watch(fn)           # fn() when the next watch request comes,
+                                         # before it is answered (between a list and its watch)
     kube.stop(); kube.start()            # the API server away, then back (same port)
 
-Counters `num_lists` and `num_watches` (and `requests`, each (method, path with
-query)) let a test see what a client did.
+Counters `num_lists`, `num_watches` and `num_gone` (410s sent, as HTTP or as an
+ERROR event), and `requests`, each (method, path with query, HTTP status), let a
+test see what a client did and what it was answered.
 """
 from __future__ import annotations
 
@@ -47,6 +53,7 @@ import json
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
@@ -94,7 +101,8 @@ class FakeKube:
         self.gone_as_http = False
         self.num_lists = 0
         self.num_watches = 0
-        self.requests: list[tuple[str, str]] = []
+        self.num_gone = 0
+        self.requests: list[tuple[str, str, int]] = []
         self._version = 1
         self._slices: dict[tuple[str, str], dict] = {}  # (namespace, name) -> slice
         # Changes since the last compaction: (version, type, object).
@@ -102,6 +110,7 @@ class FakeKube:
         self._oldest = 1  # a watch from a version below this gets 410
         self._drops = 0  # bumped by drop_watches
         self._compactions = 0  # bumped by compact
+        self._before_next_watch: Callable[[], None] | None = None
         self._cond = threading.Condition()
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -200,6 +209,13 @@ class FakeKube:
             self._compactions += 1
             self._cond.notify_all()
 
+    def before_next_watch(self, fn: Callable[[], None]) -> None:
+        """Call `fn` once, when the next watch request arrives and before it is
+        answered: what `fn` changes happened between the client's list and its
+        watch (with `compact`, that watch's version is already too old)."""
+        with self._cond:
+            self._before_next_watch = fn
+
     def slices(self, namespace: str) -> list[dict]:
         with self._cond:
             return [copy.deepcopy(v) for (ns, _), v in sorted(self._slices.items()) if ns == namespace]
@@ -229,6 +245,10 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format, *args) -> None:  # quiet
         pass
 
+    def send_response(self, code: int, message: str | None = None) -> None:
+        self.kube.requests.append((self.command, getattr(self, "path", ""), code))
+        super().send_response(code, message)
+
     def _send_json(self, code: int, body: dict) -> None:
         data = json.dumps(body).encode()
         self.send_response(code)
@@ -239,7 +259,6 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's name
         kube = self.kube
-        kube.requests.append(("GET", self.path))
         url = urlsplit(self.path)
         query = {k: v[-1] for k, v in parse_qs(url.query).items()}
         parts = url.path.rstrip("/").split("/")
@@ -278,9 +297,14 @@ class _Handler(BaseHTTPRequestHandler):
         bookmarks = query.get("allowWatchBookmarks") in ("1", "true")
         timeout = float(query["timeoutSeconds"]) if "timeoutSeconds" in query else None
         with kube._cond:
+            before, kube._before_next_watch = kube._before_next_watch, None
+        if before is not None:
+            before()
+        with kube._cond:
             kube.num_watches += 1
             drops, compactions = kube._drops, kube._compactions
             too_old = 0 < since < kube._oldest
+            kube.num_gone += too_old
             gone = status(410, "Expired", f"too old resource version: {since} ({kube._oldest})")
         if too_old and kube.gone_as_http:
             self._send_json(410, gone)
@@ -312,6 +336,8 @@ class _Handler(BaseHTTPRequestHandler):
                     if kube._matching(obj, namespace, selector):
                         self._chunk({"type": kind, "object": obj})
                 if expired:
+                    with kube._cond:
+                        kube.num_gone += 1
                     self._chunk({"type": "ERROR", "object": status(
                         410, "Expired", f"too old resource version: {cursor} ({kube._oldest})")})
                     return

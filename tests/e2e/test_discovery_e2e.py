@@ -5,8 +5,9 @@ Kubernetes API server (tests/fake_kube.py).
 
 The tests run in file order on one running system and each leaves it as the
 next expects: a worker added at run time gets traffic; one marked not ready
-drains; one removed mid-stream fails only its own request; a dropped watch and
-a 410 each lead to a re-list that finds the truth."""
+drains; one removed mid-stream fails only its own request; a dropped watch, a
+410 ERROR event on the open watch and an HTTP 410 on a new one each lead to a
+re-list that finds the truth."""
 from __future__ import annotations
 
 import json
@@ -262,14 +263,33 @@ def test_a_dropped_watch_and_a_410_relist_and_find_the_truth(cluster):
     cluster.wait(lambda: cluster.load().num_workers_ready == 3, "the re-list after a dropped watch", 120)
     assert kube.num_lists > lists
 
-    # Quietly one worker turns not ready; the watch then fails with 410 Gone.
+    # Quietly one worker turns not ready; the open watch then ends with an ERROR event of code 410.
     drained = cluster.slices[f"{SERVICE}-c"][0]
     drained.ready = False
     kube.set_slices_quietly(NS, cluster.slice_objects())
     time.sleep(1.0)
     assert not cluster.workers()[cluster.address(gone_host)].draining
-    lists = kube.num_lists
+    lists, gone = kube.num_lists, kube.num_gone
     kube.compact()
-    cluster.wait(lambda: cluster.workers()[cluster.address(gone_host)].draining, "the re-list after 410")
-    assert kube.num_lists > lists and cluster.load().num_workers_ready == 2
+    cluster.wait(lambda: cluster.workers()[cluster.address(gone_host)].draining, "the re-list after a 410 event")
+    assert kube.num_lists > lists and kube.num_gone == gone + 1 and cluster.load().num_workers_ready == 2
+    assert ask(cluster.chain.url, "Say hello.")["usage"]["completion_tokens"] > 0
+
+    # The worker turns ready again between a list and its watch, and the history
+    # is compacted there too: that watch is answered HTTP 410, and only the list
+    # after it shows the worker ready.
+    def ready_again_and_compact():
+        drained.ready = True
+        kube.set_slices_quietly(NS, cluster.slice_objects())
+        kube.compact()
+
+    cluster.wait(lambda: "watch=1" in kube.requests[-1][1], "the watch open again")
+    kube.gone_as_http = True
+    lists, replies = kube.num_lists, len(kube.requests)
+    kube.before_next_watch(ready_again_and_compact)
+    kube.drop_watches()
+    cluster.wait(lambda: cluster.load().num_workers_ready == 3, "the re-list after an HTTP 410", 120)
+    assert kube.num_lists >= lists + 2  # the list after the drop, then the one after the 410
+    assert [code for _, path, code in kube.requests[replies:] if "watch=1" in path][0] == 410, kube.requests[replies:]
+    assert not cluster.workers()[cluster.address(gone_host)].draining
     assert ask(cluster.chain.url, "Say hello.")["usage"]["completion_tokens"] > 0

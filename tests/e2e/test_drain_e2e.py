@@ -190,7 +190,8 @@ def test_sigterm_to_a_worker_drains_it_while_the_other_takes_new_requests(drain_
     worker = chain.procs["worker0"]
     num_streams, max_tokens = 8, 64
 
-    marks: dict[str, float] = {}  # seconds from SIGTERM until worker0 had nothing left, and exited
+    # Seconds from SIGTERM until the scheduler saw worker0 draining, it had nothing left, and it exited.
+    marks: dict[str, float] = {}
 
     async def watch(sigterm_at: float) -> None:
         while worker.poll() is None:
@@ -213,6 +214,7 @@ def test_sigterm_to_a_worker_drains_it_while_the_other_takes_new_requests(drain_
             while load().workers[0].is_ready:  # the scheduler sees it draining within a health poll
                 assert time.monotonic() < deadline
                 await asyncio.sleep(0.05)
+            marks["draining"] = time.monotonic() - sigterm_at
             assert worker.poll() is None, "worker0 left before its streams were done"
             placed = [w.num_sequences for w in load().workers]
             late = await start_streams(client, 4, 16)
@@ -229,8 +231,8 @@ def test_sigterm_to_a_worker_drains_it_while_the_other_takes_new_requests(drain_
             return on_worker0, last_stream_at - sigterm_at
 
     on_worker0, streams_s = asyncio.run(scenario())
-    print(f"\nworker drain: {on_worker0} of {num_streams} streams on the draining worker; SIGTERM -> its last "
-          f"sequence done {marks['idle']:.2f} s, -> worker exit 0 {marks['exit']:.2f} s; all {num_streams} + 4 "
-          f"streams done {streams_s:.2f} s")
+    print(f"\nworker drain: {on_worker0} of {num_streams} streams on the draining worker; SIGTERM -> seen draining "
+          f"{marks['draining']:.2f} s, -> its last sequence done {marks['idle']:.2f} s, -> worker exit 0 "
+          f"{marks['exit']:.2f} s; all {num_streams} + 4 streams done {streams_s:.2f} s")
     assert marks["exit"] - marks["idle"] < 10  # the settle (2 s), the release step, the process's own exit
     assert load().num_workers_ready == 1

@@ -595,7 +595,7 @@ def test_the_scheduler_finds_every_worker_pod_through_the_endpointslices(cluster
         time.sleep(0.5)
     assert {w.address for w in load.workers} == expected and all(w.is_ready for w in load.workers), load
     # It asked for the worker Service's slices, in the release's namespace, by the label.
-    calls = [urlsplit(path) for _, path in cluster.kube.requests]
+    calls = [urlsplit(path) for _, path, _ in cluster.kube.requests]
     assert calls and all(c.path == f"/apis/discovery.k8s.io/v1/namespaces/{NAMESPACE}/endpointslices"
                          and parse_qs(c.query)["labelSelector"] == [f"{SERVICE_NAME_LABEL}={service['metadata']['name']}"]
                          for c in calls), calls

@@ -1,9 +1,11 @@
 """The EndpointSlice LIST + WATCH client against the fake API server: events,
-a dropped watch, 410 (in the stream and as HTTP), a periodic resync, the API
-server away and back; and the in-cluster configuration."""
+a dropped watch, 410 (an open watch's ERROR event; a new watch's ERROR event
+or HTTP reply), a periodic resync, the API server away and back; and the
+in-cluster configuration."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
 
 import pytest
@@ -101,20 +103,48 @@ def test_a_dropped_watch_relists_and_finds_changes_whose_events_were_lost(kube):
     run_watcher(kube, scenario)
 
 
-@pytest.mark.parametrize("as_http", [False, True])
-def test_410_gone_relists_and_finds_the_truth(kube, as_http):
-    kube.gone_as_http = as_http
+def test_410_on_the_open_watch_relists_and_finds_the_truth(kube):
     kube.put_slice(NS, one_slice("workers-a", slice_endpoint("10.0.0.1", uid="p1")))
 
     async def scenario(watcher, seen):
-        await until(lambda: seen.endpoints == {"p1": (True, False)})
+        await until(lambda: seen.endpoints == {"p1": (True, False)} and kube.num_watches == 1)
         kube.set_slices_quietly(NS, [one_slice("workers-a", slice_endpoint("10.0.0.1", uid="p1", ready=False)),
                                      one_slice("workers-b", slice_endpoint("10.0.0.3", uid="p3"))])
-        kube.compact()  # the open watch ends with ERROR 410
+        kube.compact()  # the open watch ends with an ERROR event of code 410
         await until(lambda: seen.endpoints == {"p1": (False, False), "p3": (True, False)})
-        assert watcher.num_lists == 2
+        assert watcher.num_lists == 2 and kube.num_gone == 1
 
     run_watcher(kube, scenario)
+
+
+@pytest.mark.parametrize("as_http", [False, True])
+def test_410_on_a_new_watch_relists_and_finds_the_truth(kube, as_http, caplog):
+    """The history compacted between a list and its watch: the watch from the
+    list's version gets 410 at once, as an HTTP reply or as an ERROR event."""
+    caplog.set_level(logging.INFO, logger="services.scheduler.kube")
+    kube.gone_as_http = as_http
+    kube.put_slice(NS, one_slice("workers-a", slice_endpoint("10.0.0.1", uid="p1")))
+    truth = [one_slice("workers-a", slice_endpoint("10.0.0.1", uid="p1", ready=False)),
+             one_slice("workers-b", slice_endpoint("10.0.0.3", uid="p3"))]
+
+    def change_and_compact():
+        kube.set_slices_quietly(NS, truth)
+        kube.compact()
+
+    async def scenario(watcher, seen):
+        await until(lambda: seen.endpoints == {"p1": (True, False)} and kube.num_watches == 1)
+        kube.before_next_watch(change_and_compact)
+        kube.drop_watches()  # list 2 (nothing new), then its watch gets 410, then list 3
+        await until(lambda: seen.endpoints == {"p1": (False, False), "p3": (True, False)})
+        assert watcher.num_lists == 3 and kube.num_gone == 1
+
+    run_watcher(kube, scenario)
+    # The second watch was the one answered 410: as the HTTP status, or in its stream.
+    watch_codes = [code for _, path, code in kube.requests if "watch=1" in path]
+    assert watch_codes[:2] == [200, 410 if as_http else 200], kube.requests
+    # Taken as Gone (list again), not as a failing API server.
+    assert any("410" in r.getMessage() and "listing again" in r.getMessage() for r in caplog.records)
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
 
 
 def test_a_watch_from_a_compacted_version_gets_410_as_http_or_event(kube):

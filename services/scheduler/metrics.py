@@ -245,14 +245,11 @@ class _StateCollector(Collector):
             policy = engine.policy
             healthy.add_metric(values + [engine.worker.address], 1.0 if engine.is_ready else 0.0)
             counts = engine.cache_counts()
-            queries.add_metric(values, counts[0])
-            hits.add_metric(values, counts[1])
-            preemptions.add_metric(values, counts[2])
             speculator = engine.speculator
-            drafts.add_metric(values, speculator.num_drafts)
-            draft_tokens.add_metric(values, speculator.num_draft_tokens)
-            accepted.add_metric(values, speculator.num_accepted_tokens)
-            waits.add_metric(values, speculator.num_waits)
+            for family, count in ((queries, counts[0]), (hits, counts[1]), (preemptions, counts[2]),
+                                  (drafts, speculator.num_drafts), (draft_tokens, speculator.num_draft_tokens),
+                                  (accepted, speculator.num_accepted_tokens), (waits, speculator.num_waits)):
+                family.add_metric(values, count, created=engine.created_s)
             if policy is None:
                 continue
             num_running = len(policy.running)

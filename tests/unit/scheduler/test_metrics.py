@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from services.common.errors import ServiceError
 from services.common.metrics import build_1_2_5_buckets
 from services.scheduler.config import SchedulerConfig
+from services.scheduler.discovery import WorkerPool, merge_slices
 from services.scheduler.engine import EngineLoop
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.router import Router
@@ -21,6 +22,7 @@ from services.scheduler.sequence import FinishReason
 from services.scheduler.server import SchedulerServicer
 from services.scheduler.speculation import SpeculationConfig
 from stormserve.scheduler.v1 import scheduler_pb2
+from tests.unit.scheduler.test_discovery import FakeWorkerClient, ep, slices
 from tests.unit.scheduler.test_policy import BLOCK_SIZE, FakeWorker, make_policy, make_seq
 
 MODEL = "m"
@@ -46,7 +48,7 @@ def setup(num_blocks=100):
     engine.policy = policy
     engine._ready.set()
     metrics = SchedulerMetrics(MODEL, 100, [engine])
-    engine.metrics = metrics.engine(0)
+    engine.metrics = metrics.engine()
     return policy, engine, metrics
 
 
@@ -253,7 +255,7 @@ def test_speculative_decoding_counters_follow_the_drafts():
     engine.policy = policy
     engine._ready.set()
     metrics = SchedulerMetrics(MODEL, 100, [engine])
-    engine.metrics = metrics.engine(0)
+    engine.metrics = metrics.engine()
     worker = FakeWorker(policy=policy, copy_period=3)
     seq = make_seq(1, prompt_len=6, max_tokens=40)
     policy.add(seq)
@@ -279,3 +281,30 @@ def test_speculative_decoding_counters_follow_the_drafts():
     assert value(samples, "vllm:generation_tokens_total") == delivered == 40
     # Tokens of one step: one inter-token latency each step after the first token.
     assert value(samples, "vllm:inter_token_latency_seconds_count") == steps_with_tokens - 1
+
+
+def test_a_discovered_worker_takes_the_engine_label_of_one_that_left():
+    """However many pods come and go, `engine` has as many values as workers at once."""
+    async def scenario():
+        router = Router([])
+        metrics = SchedulerMetrics(MODEL, 100, router.engines)
+
+        def make_engine(address: str) -> EngineLoop:
+            engine = EngineLoop(FakeWorkerClient(address), 8, 64)
+            engine.metrics = metrics.engine()
+            return engine
+
+        pool = WorkerPool(router, make_engine)
+        await pool.apply(merge_slices(slices([ep("10.0.0.1", "a"), ep("10.0.0.2", "b")])))
+        for generation in range(5):  # a's pod replaced again and again (a rollout, an autoscaler)
+            await pool.apply(merge_slices(slices([ep("10.0.0.1", f"a{generation}"), ep("10.0.0.2", "b")])))
+        await pool.apply(merge_slices(slices([ep("10.0.0.1", "a9"), ep("10.0.0.2", "b"), ep("10.0.0.3", "c")])))
+        labels = {e.worker.address: e.metrics.label for e in router.engines}
+        exported = {dict(labels)["engine"] for name, labels in scrape(metrics)
+                    if name == "vllm:e2e_request_latency_seconds_count"}
+        await pool.stop()
+        return labels, exported
+
+    labels, exported = asyncio.run(scenario())
+    assert labels == {"10.0.0.1:50053": "0", "10.0.0.2:50053": "1", "10.0.0.3:50053": "2"}
+    assert exported == {"0", "1", "2"}

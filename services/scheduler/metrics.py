@@ -192,13 +192,10 @@ class EngineMetrics:
         scheduled = seq.first_scheduled_us or now_us
         self.queue_time.observe((scheduled - seq.arrival_us) * US)
         first, last = seq.first_token_us, seq.last_event_us
-        if first:
+        if first:  # without a token (aborted or failed before it) no phase ran to its end: none is observed
             self.prefill_time.observe((first - scheduled) * US)
             self.decode_time.observe((last - first) * US)
             self.inference_time.observe((last - scheduled) * US)
-        else:
-            for hist in (self.prefill_time, self.decode_time, self.inference_time):
-                hist.observe(0.0)
         generated = len(seq.output_token_ids)
         self.tpot.observe((last - first) * US / (generated - 1) if first and generated > 1 else 0.0)
         self.request_prompt_tokens.observe(seq.num_prompt_tokens)

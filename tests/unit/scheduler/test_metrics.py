@@ -233,6 +233,28 @@ def test_gauges_follow_the_state_and_return_to_idle_after_aborts():
     assert value(samples, "stormserve:worker_healthy", worker="w0") == 1
 
 
+def test_a_sequence_aborted_before_its_first_token_has_no_prefill_decode_or_inference_time():
+    policy, engine, metrics = setup()
+    worker = FakeWorker(token=7)
+    served, left = make_seq(1, max_tokens=2), make_seq(2, max_tokens=2)
+    policy.add(served)
+    policy.add(left)
+    policy.finish(left, FinishReason.ABORT)  # its client left while it waited
+    engine.metrics.on_finished(left, "abort", 5_000)
+    now = 10_000
+    while policy.has_work():
+        step(policy, engine, worker, now, now + 10_000)
+        now += 10_000
+    engine.metrics.on_finished(served, "length", now)
+    samples = scrape(metrics)
+    assert value(samples, "vllm:request_success_total", finished_reason="abort") == 1
+    for name in ("e2e_request_latency_seconds", "request_queue_time_seconds", "request_generation_tokens"):
+        assert value(samples, f"vllm:{name}_count") == 2, name
+    for name in ("request_prefill_time_seconds", "request_decode_time_seconds", "request_inference_time_seconds"):
+        assert value(samples, f"vllm:{name}_count") == 1, name
+    assert abs(value(samples, "vllm:request_decode_time_seconds_sum") - 0.01) < 1e-9
+
+
 def test_prefix_cache_counts_queries_and_hits_in_tokens_across_worker_restarts():
     policy, engine, metrics = setup()
     worker = FakeWorker(token=7)

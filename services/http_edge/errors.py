@@ -51,6 +51,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.common.errors import INTERNAL_ERROR, PAYLOAD_TOO_LARGE, client_message, error_reason
+from services.http_edge.observe import ERROR_SCOPE_KEY, record_of
 
 log = logging.getLogger(__name__)
 
@@ -226,7 +227,7 @@ def install_error_handlers(app: FastAPI) -> None:
     """Every error the app answers, ours or the framework's, uses the merged body."""
 
     async def on_edge_error(request: Request, exc: EdgeError) -> JSONResponse:
-        request.scope["stormserve.error"] = exc  # for the metrics and the access log
+        request.scope[ERROR_SCOPE_KEY] = exc  # for the metrics and the access log
         return exc.response()
 
     async def on_request_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -245,8 +246,16 @@ def install_error_handlers(app: FastAPI) -> None:
         return response
 
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error in %s %s", request.method, request.url.path, exc_info=exc)
-        return EdgeError(500, INCOMPLETE, INTERNAL_ERROR, CODE_GENERATION).response()
+        # Answered outside ObserveMiddleware (Starlette's outermost layer), which has
+        # logged the request by now: the id it gave goes into this line and the answer.
+        record = record_of(request.scope)
+        request_id = record.request_id if record is not None else None
+        log.error("unhandled error in %s %s request_id=%s", request.method, request.url.path, request_id,
+                  exc_info=exc, extra={"fields": {"request_id": request_id}})
+        response = EdgeError(500, INCOMPLETE, INTERNAL_ERROR, CODE_GENERATION).response()
+        if request_id is not None:
+            response.headers["x-request-id"] = request_id
+        return response
 
     app.add_exception_handler(EdgeError, on_edge_error)
     app.add_exception_handler(RequestValidationError, on_request_validation)

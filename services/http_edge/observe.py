@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from opentelemetry import trace
 from stormserve.chat.v1 import chat_pb2
@@ -25,7 +26,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.common import tracing
 from services.http_edge.convert import new_request_id
-from services.http_edge.metrics import EdgeMetrics
+
+if TYPE_CHECKING:  # metrics.py imports errors.py, which reads the record
+    from services.http_edge.metrics import EdgeMetrics
 
 access_log = logging.getLogger("stormserve.access")
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import itertools
 
 from services.common.config import load_config
 from services.common.grpc_server import GrpcService
@@ -33,19 +32,19 @@ async def main() -> None:
     # router's list of engines, which discovery changes in place.
     router = Router([])
     metrics = SchedulerMetrics(config.model_name, config.max_seq_len, router.engines) if config.metrics_port else None
-    engine_ids = itertools.count()
 
     def make_engine(address: str) -> EngineLoop:
         engine = EngineLoop(WorkerClient(address), config.max_batch_size, config.max_prefill_tokens,
                             config.speculation)
         if metrics is not None:
-            engine.metrics = metrics.engine(next(engine_ids))  # its `engine` label, kept while it lives
+            engine.metrics = metrics.engine()  # its `engine` label, from the workers in the router now
         return engine
 
     discovered = config.worker_discovery == "endpointslices"
-    engines = [] if discovered else [make_engine(address) for address in config.worker_addresses]
-    for engine in engines:
-        router.add(engine)
+    engines: list[EngineLoop] = []  # the static list, each in the router before the next is made
+    for address in () if discovered else config.worker_addresses:
+        engines.append(make_engine(address))
+        router.add(engines[-1])
     if metrics is not None:
         await serve_metrics(metrics.registry, config.host, config.metrics_port)
     pool = WorkerPool(router, make_engine)

@@ -59,6 +59,7 @@ class EngineLoop:
         self.metrics: EngineMetrics | None = None  # set when metrics are on
         # Prefix-cache queries and hits (tokens) and preemptions of the policies before the current one.
         self._retired_counts = (0, 0, 0)
+        self.created_s = time.time()  # when those counts and the speculator's began: their `_created`
         # Per request id: its Generate call's stream, from submit to detach.
         self._streams: dict[str, asyncio.Queue[StreamItem]] = {}
         self._wakeup = asyncio.Event()

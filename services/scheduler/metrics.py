@@ -5,9 +5,12 @@ labels (`model_name`, `engine`), help texts and buckets, and our extras under
 The scheduler is the one process that sees every sequence of its serving group
 from queue to last token, so it alone observes them: the edges and tokenizers
 in front of it scale out, and a request counted there too would be counted
-twice when dashboards sum over pods. One `engine` label value per worker (its
-index in `worker_addresses`): each worker runs its own batch, as one vLLM
-engine core does, so summing over `engine` gives the group.
+twice when dashboards sum over pods. One `engine` label value per worker:
+each worker runs its own batch, as one vLLM engine core does, so summing over
+`engine` gives the group. The value is the lowest index no other current
+worker holds (a static list's position): a discovered worker that joins takes
+the index, and the series, of one that left, so the label has as many values
+as there are workers at once, however many come and go.
 
 What is counted where, and what it costs:
 - once per step (`EngineMetrics.on_step`): token counters, TTFT at a sequence's
@@ -23,6 +26,7 @@ are our sibling sequences counted, each with its prompt.
 """
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Sequence as Seq
 from typing import TYPE_CHECKING
 
@@ -57,10 +61,12 @@ US = 1e-6
 
 
 class SchedulerMetrics:
-    """One registry for the scheduler process; `engine(i)` binds worker i's series."""
+    """One registry for the scheduler process; `engine()` binds a joining worker's series.
+    `engines` is the live list of workers (the router's, which discovery changes in place)."""
 
     def __init__(self, model_name: str, max_model_len: int, engines: Seq[EngineLoop] = ()):
         self.model_name = model_name
+        self.engines = engines
         self.registry = process_registry()
         reg = self.registry
 
@@ -114,8 +120,10 @@ class SchedulerMetrics:
         self.rejected.labels("queue_full")  # the one reason the scheduler decides; at 0 from the start
         self.registry.register(_StateCollector(self, engines))
 
-    def engine(self, index: int) -> EngineMetrics:
-        return EngineMetrics(self, str(index))
+    def engine(self) -> EngineMetrics:
+        """The series of a worker about to join: the lowest `engine` index no current worker holds."""
+        held = {e.metrics.label for e in self.engines if e.metrics is not None}
+        return EngineMetrics(self, next(str(i) for i in itertools.count() if str(i) not in held))
 
 
 class EngineMetrics:
@@ -184,13 +192,10 @@ class EngineMetrics:
         scheduled = seq.first_scheduled_us or now_us
         self.queue_time.observe((scheduled - seq.arrival_us) * US)
         first, last = seq.first_token_us, seq.last_event_us
-        if first:
+        if first:  # without a token (aborted or failed before it) no phase ran to its end: none is observed
             self.prefill_time.observe((first - scheduled) * US)
             self.decode_time.observe((last - first) * US)
             self.inference_time.observe((last - scheduled) * US)
-        else:
-            for hist in (self.prefill_time, self.decode_time, self.inference_time):
-                hist.observe(0.0)
         generated = len(seq.output_token_ids)
         self.tpot.observe((last - first) * US / (generated - 1) if first and generated > 1 else 0.0)
         self.request_prompt_tokens.observe(seq.num_prompt_tokens)
@@ -245,14 +250,11 @@ class _StateCollector(Collector):
             policy = engine.policy
             healthy.add_metric(values + [engine.worker.address], 1.0 if engine.is_ready else 0.0)
             counts = engine.cache_counts()
-            queries.add_metric(values, counts[0])
-            hits.add_metric(values, counts[1])
-            preemptions.add_metric(values, counts[2])
             speculator = engine.speculator
-            drafts.add_metric(values, speculator.num_drafts)
-            draft_tokens.add_metric(values, speculator.num_draft_tokens)
-            accepted.add_metric(values, speculator.num_accepted_tokens)
-            waits.add_metric(values, speculator.num_waits)
+            for family, count in ((queries, counts[0]), (hits, counts[1]), (preemptions, counts[2]),
+                                  (drafts, speculator.num_drafts), (draft_tokens, speculator.num_draft_tokens),
+                                  (accepted, speculator.num_accepted_tokens), (waits, speculator.num_waits)):
+                family.add_metric(values, count, created=engine.created_s)
             if policy is None:
                 continue
             num_running = len(policy.running)

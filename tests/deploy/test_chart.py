@@ -32,8 +32,7 @@ KUBE_VERSIONS = ("1.29", "1.37")
 
 # Custom resources the value sets render on purpose: no Kubernetes schema knows
 # them, so they are skipped by name; any other kind without a schema fails.
-CUSTOM_RESOURCES = {("keda.sh/v1alpha1", "ScaledObject"), ("monitoring.coreos.com/v1", "PodMonitor"),
-                    ("monitoring.coreos.com/v1", "ServiceMonitor")}
+CUSTOM_RESOURCES = {("keda.sh/v1alpha1", "ScaledObject"), ("monitoring.coreos.com/v1", "PodMonitor")}
 
 VALUE_SETS: dict[str, dict] = {
     "defaults": {},
@@ -75,8 +74,7 @@ VALUE_SETS: dict[str, dict] = {
     "metrics": {
         "metrics": {"enabled": True, "port": 9400,
                     "scrapeFrom": [{"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}],
-                    "podMonitor": {"enabled": True, "labels": {"release": "kube-prometheus"}},
-                    "serviceMonitor": {"enabled": True, "interval": "15s"}},
+                    "podMonitor": {"enabled": True, "labels": {"release": "kube-prometheus"}}},
         "tracing": {"otlpEndpoint": "http://otel-collector.observability:4317"},
         "networkPolicy": {"edgeFrom": [{"namespaceSelector": {"matchLabels": {"ingress": "true"}}}]},
     },
@@ -186,7 +184,7 @@ def test_every_object_validates_strictly(value_set, version):
         except kubernetes_validate.ValidationError as exc:
             pytest.fail(f"{obj['kind']}/{obj['metadata']['name']} at {'.'.join(map(str, exc.path))}: {exc.message}")
     expected = {"custom-metrics": {("keda.sh/v1alpha1", "ScaledObject")},
-                "metrics": CUSTOM_RESOURCES - {("keda.sh/v1alpha1", "ScaledObject")}}
+                "metrics": {("monitoring.coreos.com/v1", "PodMonitor")}}
     assert skipped == expected.get(value_set, set())
 
 
@@ -613,14 +611,10 @@ def test_metrics_ports_monitors_and_who_may_scrape():
     for name, port in (("edge", "http"), ("tokenizer", "metrics"), ("scheduler", "metrics"), ("worker", "metrics")):
         rule = policies[name]["spec"]["ingress"][-1]
         assert rule == {"ports": [{"port": port, "protocol": "TCP"}], "from": scrapers}
-    selector = {"app.kubernetes.io/name": "stormserve", "app.kubernetes.io/instance": RELEASE}
+    # What the monitors select: tests/deploy/test_chart_monitors.py.
     (pod_monitor,) = of_kind(objects, "PodMonitor")
     assert pod_monitor["metadata"]["labels"]["release"] == "kube-prometheus"
-    assert pod_monitor["spec"]["selector"]["matchLabels"] == selector
-    assert [e["port"] for e in pod_monitor["spec"]["podMetricsEndpoints"]] == ["http", "metrics"]
-    (service_monitor,) = of_kind(objects, "ServiceMonitor")
-    assert [(e["port"], e["path"], e["interval"]) for e in service_monitor["spec"]["endpoints"]] == [
-        ("http", "/metrics", "15s"), ("metrics", "/metrics", "15s")]
+    assert not of_kind(objects, "ServiceMonitor")
     # Off by default: no metrics port, no monitor, the policies unchanged.
     defaults = rendered("defaults")
     assert not of_kind(defaults, "PodMonitor") and not of_kind(defaults, "ServiceMonitor")

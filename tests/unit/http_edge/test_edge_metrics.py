@@ -1,7 +1,10 @@
 """The edge's /metrics: answers by route and status, and refusals by reason."""
 from __future__ import annotations
 
+import asyncio
+
 import grpc
+import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.unit.http_edge.test_edge_http import BODY, JSON, make_app, request, rpc_error, text_chunk
@@ -70,6 +73,26 @@ def test_every_answer_carries_its_request_id_and_one_access_line(caplog) -> None
     assert second["request_id"] == bad.headers["x-request-id"]
     assert second["error_code"] == 422 and second["error_type"] == "Input Validation Error"
     assert f"request_id={first['request_id']}" in lines[0].getMessage()
+
+
+def test_an_unexpected_error_logs_and_answers_the_request_id_of_its_access_line(caplog) -> None:
+    app, _ = make_app([RuntimeError("boom")])
+
+    async def go() -> httpx.Response:
+        # Starlette answers the 500 and then re-raises, for the server to see.
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://edge") as client:
+            return await client.post("/v1/chat/completions", json=BODY, headers=JSON)
+
+    with caplog.at_level("INFO"):
+        reply = asyncio.run(go())
+    assert reply.status_code == 500 and reply.json()["code"] == 9999
+    request_id = reply.headers["x-request-id"]
+    (access,) = [r for r in caplog.records if r.name == "stormserve.access"]
+    assert access.fields["request_id"] == request_id and access.fields["status"] == 500
+    (error,) = [r for r in caplog.records if r.exc_info]
+    assert error.exc_info[0] is RuntimeError and error.levelname == "ERROR"
+    assert error.fields == {"request_id": request_id} and f"request_id={request_id}" in error.getMessage()
 
 
 def test_json_log_lines_hold_the_fields() -> None:

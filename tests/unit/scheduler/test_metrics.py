@@ -3,16 +3,26 @@ move by exactly the tokens delivered, histograms get one observation where
 vLLM's do, with vLLM's boundaries, and the scrape-time gauges follow the state."""
 from __future__ import annotations
 
+import asyncio
 from types import SimpleNamespace
 
+import grpc
+import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from services.common.errors import ServiceError
 from services.common.metrics import build_1_2_5_buckets
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.discovery import WorkerPool, merge_slices
 from services.scheduler.engine import EngineLoop
 from services.scheduler.metrics import SchedulerMetrics
+from services.scheduler.router import Router
 from services.scheduler.sequence import FinishReason
+from services.scheduler.server import SchedulerServicer
 from services.scheduler.speculation import SpeculationConfig
+from stormserve.scheduler.v1 import scheduler_pb2
+from tests.unit.scheduler.test_discovery import FakeWorkerClient, ep, slices
 from tests.unit.scheduler.test_policy import BLOCK_SIZE, FakeWorker, make_policy, make_seq
 
 MODEL = "m"
@@ -38,7 +48,7 @@ def setup(num_blocks=100):
     engine.policy = policy
     engine._ready.set()
     metrics = SchedulerMetrics(MODEL, 100, [engine])
-    engine.metrics = metrics.engine(0)
+    engine.metrics = metrics.engine()
     return policy, engine, metrics
 
 
@@ -88,6 +98,87 @@ def test_token_counters_and_per_token_histograms_follow_the_delivered_tokens():
     # Decode time from first to last token; per output token over the tokens after the first.
     assert abs(value(samples, "vllm:request_decode_time_seconds_sum") - (0.03 + 0.01)) < 1e-9
     assert abs(value(samples, "vllm:request_time_per_output_token_seconds_sum") - 0.02) < 1e-9
+
+
+ENGINE_LABELS = frozenset(ENGINE)
+HISTOGRAMS = ("time_to_first_token_seconds", "inter_token_latency_seconds", "request_time_per_output_token_seconds",
+              "e2e_request_latency_seconds", "request_queue_time_seconds", "request_inference_time_seconds",
+              "request_prefill_time_seconds", "request_decode_time_seconds", "request_prompt_tokens",
+              "request_generation_tokens", "iteration_tokens_total")
+COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens", "generation_tokens",
+            "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
+# Every vLLM series the scheduler exports: its Prometheus type and label names, as vLLM v1 declares them.
+VLLM_SERIES = {
+    "vllm:num_requests_running": ("gauge", ENGINE_LABELS),
+    "vllm:num_requests_waiting": ("gauge", ENGINE_LABELS),
+    "vllm:kv_cache_usage_perc": ("gauge", ENGINE_LABELS),
+    "vllm:cache_config_info": ("gauge", frozenset({"block_size", "num_gpu_blocks", "enable_prefix_caching",
+                                                   "engine"})),
+    "vllm:request_success": ("counter", ENGINE_LABELS | {"finished_reason"}),
+    **{"vllm:" + name: ("counter", ENGINE_LABELS) for name in COUNTERS},
+    **{"vllm:" + name: ("histogram", ENGINE_LABELS) for name in HISTOGRAMS},
+}
+
+
+def families(metrics: SchedulerMetrics) -> dict[str, tuple[str, frozenset, set[tuple]]]:
+    """Each family of the exposition: its type, its label names and its samples' label sets (less `le`)."""
+    found = {}
+    for family in text_string_to_metric_families(generate_latest(metrics.registry).decode()):
+        labels = {tuple(sorted((k, v) for k, v in s.labels.items() if k != "le")) for s in family.samples}
+        found[family.name] = (family.type, frozenset(k for ls in labels for k, _ in ls), labels)
+    return found
+
+
+def test_every_vllm_series_has_vllms_type_and_label_names_and_every_counter_its_created_time():
+    _, _, metrics = setup()
+    exported = families(metrics)
+    vllm = {name: (kind, names) for name, (kind, names, _) in exported.items()
+            if name.startswith("vllm:") and not name.endswith("_created")}
+    assert vllm == VLLM_SERIES
+    # prometheus_client's default, as vLLM's: a counter's `_created` beside it, per child, scrape-time ones included.
+    for name, (kind, _, labels) in exported.items():
+        if kind == "counter" and name.startswith(("vllm:", "stormserve:")):
+            assert exported[name + "_created"][2] == labels, name
+
+
+def test_a_preemption_counts_once_and_the_count_outlives_a_worker_restart():
+    policy, engine, metrics = setup(num_blocks=4)
+    worker = FakeWorker(token=7)
+    # 4 + 8 tokens each, 3 blocks of 4: the pool of 4 holds one, so the newer is preempted once.
+    for seq_id in (1, 2):
+        policy.add(make_seq(seq_id, prompt_len=4, max_tokens=8, arrival_us=1_000 + seq_id))
+    while policy.has_work():
+        step(policy, engine, worker, 1_000, 2_000)
+    assert value(scrape(metrics), "vllm:num_preemptions_total") == policy.num_preemptions == 1
+    engine._become_ready(policy.capacity)
+    assert value(scrape(metrics), "vllm:num_preemptions_total") == 1
+
+
+def test_a_full_queue_is_refused_and_counted_and_no_other_refusal_is():
+    policy, engine, metrics = setup()
+    policy.add(make_seq(1))  # one sequence queued on the only worker
+    engine._ready.clear()  # not ready: a request that passes the queue check is refused as unavailable
+    router = Router([engine])
+    request = scheduler_pb2.GenerateRequest(request_id="r2", prompt_token_ids=[10, 11, 12])
+    queue_full = ("stormserve:requests_rejected_total", frozenset({"reason": "queue_full"}.items()))
+
+    def refusal(max_queue_size: int) -> grpc.StatusCode:
+        servicer = SchedulerServicer(SchedulerConfig(max_queue_size=max_queue_size), router, metrics=metrics)
+
+        async def call():
+            async for _ in servicer._generate(request):
+                pass
+
+        with pytest.raises(ServiceError) as refused:
+            asyncio.run(call())
+        return refused.value.code
+
+    assert scrape(metrics)[queue_full] == 0
+    assert refusal(2) is grpc.StatusCode.UNAVAILABLE
+    assert scrape(metrics)[queue_full] == 0
+    assert refusal(1) is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert refusal(1) is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert scrape(metrics)[queue_full] == 2
 
 
 def test_histograms_have_vllms_boundaries():
@@ -142,6 +233,28 @@ def test_gauges_follow_the_state_and_return_to_idle_after_aborts():
     assert value(samples, "stormserve:worker_healthy", worker="w0") == 1
 
 
+def test_a_sequence_aborted_before_its_first_token_has_no_prefill_decode_or_inference_time():
+    policy, engine, metrics = setup()
+    worker = FakeWorker(token=7)
+    served, left = make_seq(1, max_tokens=2), make_seq(2, max_tokens=2)
+    policy.add(served)
+    policy.add(left)
+    policy.finish(left, FinishReason.ABORT)  # its client left while it waited
+    engine.metrics.on_finished(left, "abort", 5_000)
+    now = 10_000
+    while policy.has_work():
+        step(policy, engine, worker, now, now + 10_000)
+        now += 10_000
+    engine.metrics.on_finished(served, "length", now)
+    samples = scrape(metrics)
+    assert value(samples, "vllm:request_success_total", finished_reason="abort") == 1
+    for name in ("e2e_request_latency_seconds", "request_queue_time_seconds", "request_generation_tokens"):
+        assert value(samples, f"vllm:{name}_count") == 2, name
+    for name in ("request_prefill_time_seconds", "request_decode_time_seconds", "request_inference_time_seconds"):
+        assert value(samples, f"vllm:{name}_count") == 1, name
+    assert abs(value(samples, "vllm:request_decode_time_seconds_sum") - 0.01) < 1e-9
+
+
 def test_prefix_cache_counts_queries_and_hits_in_tokens_across_worker_restarts():
     policy, engine, metrics = setup()
     worker = FakeWorker(token=7)
@@ -164,7 +277,7 @@ def test_speculative_decoding_counters_follow_the_drafts():
     engine.policy = policy
     engine._ready.set()
     metrics = SchedulerMetrics(MODEL, 100, [engine])
-    engine.metrics = metrics.engine(0)
+    engine.metrics = metrics.engine()
     worker = FakeWorker(policy=policy, copy_period=3)
     seq = make_seq(1, prompt_len=6, max_tokens=40)
     policy.add(seq)
@@ -190,3 +303,30 @@ def test_speculative_decoding_counters_follow_the_drafts():
     assert value(samples, "vllm:generation_tokens_total") == delivered == 40
     # Tokens of one step: one inter-token latency each step after the first token.
     assert value(samples, "vllm:inter_token_latency_seconds_count") == steps_with_tokens - 1
+
+
+def test_a_discovered_worker_takes_the_engine_label_of_one_that_left():
+    """However many pods come and go, `engine` has as many values as workers at once."""
+    async def scenario():
+        router = Router([])
+        metrics = SchedulerMetrics(MODEL, 100, router.engines)
+
+        def make_engine(address: str) -> EngineLoop:
+            engine = EngineLoop(FakeWorkerClient(address), 8, 64)
+            engine.metrics = metrics.engine()
+            return engine
+
+        pool = WorkerPool(router, make_engine)
+        await pool.apply(merge_slices(slices([ep("10.0.0.1", "a"), ep("10.0.0.2", "b")])))
+        for generation in range(5):  # a's pod replaced again and again (a rollout, an autoscaler)
+            await pool.apply(merge_slices(slices([ep("10.0.0.1", f"a{generation}"), ep("10.0.0.2", "b")])))
+        await pool.apply(merge_slices(slices([ep("10.0.0.1", "a9"), ep("10.0.0.2", "b"), ep("10.0.0.3", "c")])))
+        labels = {e.worker.address: e.metrics.label for e in router.engines}
+        exported = {dict(labels)["engine"] for name, labels in scrape(metrics)
+                    if name == "vllm:e2e_request_latency_seconds_count"}
+        await pool.stop()
+        return labels, exported
+
+    labels, exported = asyncio.run(scenario())
+    assert labels == {"10.0.0.1:50053": "0", "10.0.0.2:50053": "1", "10.0.0.3:50053": "2"}
+    assert exported == {"0", "1", "2"}

@@ -66,6 +66,9 @@ class TokenizerConfig:
         60.0, "seconds one media fetch may take in all, redirects included, (0, 3600]")
     max_image_pixels: int = setting(
         89478485, "largest image (width x height) decoded, [1, 89478485] (PIL's own limit)")
+    max_request_image_pixels: int = setting(
+        100_000_000, "most pixels (width x height) all images of one request may have together, decoded, "
+        "[1, 2000000000]; over it: 413")
     max_media_frames: int = setting(1000, "most frames of an animated image or a video, [1, 100000]")
     max_media_seconds: float = setting(600.0, "longest video or audio in seconds, (0, 86400]")
     media_cache_mib: int = setting(256, "MiB of fetched media kept by content hash, [0, 65536]")
@@ -92,6 +95,8 @@ class TokenizerConfig:
             require(0 < getattr(self, name) <= 600, f"{name} must be in (0, 600]")
         require(0 < self.media_fetch_timeout_s <= 3600, "media_fetch_timeout_s must be in (0, 3600]")
         require(1 <= self.max_image_pixels <= 89478485, "max_image_pixels must be in [1, 89478485]")
+        require(1 <= self.max_request_image_pixels <= 2_000_000_000,
+                "max_request_image_pixels must be in [1, 2000000000]")
         require(1 <= self.max_media_frames <= 100000, "max_media_frames must be in [1, 100000]")
         require(0 < self.max_media_seconds <= 86400, "max_media_seconds must be in (0, 86400]")
         require(0 <= self.media_cache_mib <= 65536, "media_cache_mib must be in [0, 65536]")

@@ -5,7 +5,8 @@ SSRF-safe fetch), a `data:<kind>/<subtype>;base64,` URI, or a path under the
 operator's media directory (`/data/...` or `file:///data/...`). Whatever the
 source, the bytes are capped (per item and per request), identified from
 their own leading bytes, and checked for their kind (media_formats.py); an
-image is decoded once, and kept by content hash so the same bytes are not
+image's pixels count against the request's pixel budget before it is decoded,
+and it is decoded once, and kept by content hash so the same bytes are not
 decoded twice. Every refusal is a MediaRefused naming the part: 413 for size,
 422 for anything else."""
 from __future__ import annotations
@@ -22,7 +23,7 @@ from collections import OrderedDict
 from services.tokenizer.media_formats import check_container, decode_image, identify
 from services.tokenizer.media_http import HttpFetcher, Resolver, system_resolve
 from services.tokenizer.media_types import (
-    KINDS, ByteBudget, ItemReader, MediaItem, MediaPolicy, MediaRefused)
+    KINDS, Budget, ItemReader, MediaItem, MediaPolicy, MediaRefused, RequestBudget)
 
 __all__ = ["MediaFetcher", "MediaItem", "MediaPolicy", "MediaRefused"]
 
@@ -50,16 +51,16 @@ class MediaFetcher:
         self._cache_bytes = 0
 
     async def fetch(self, kind: str, url: str, where: str) -> MediaItem:
-        """One part, alone under the request's byte budget."""
-        return await self._fetch(kind, url, where, ByteBudget(self.policy.max_request_bytes))
+        """One part, alone under the request's budget."""
+        return await self._fetch(kind, url, where, RequestBudget.of(self.policy))
 
     async def fetch_all(self, parts: list[tuple[str, str, str]]) -> list[MediaItem]:
-        """Every (kind, url, where) of one request, concurrently, under one byte
-        budget; the first refusal ends the others."""
+        """Every (kind, url, where) of one request, concurrently, under one
+        budget of bytes and decoded pixels; the first refusal ends the others."""
         if len(parts) > self.policy.max_parts:
             raise MediaRefused(f"a request may hold at most {self.policy.max_parts} media parts, got {len(parts)}",
                                where="messages")
-        budget = ByteBudget(self.policy.max_request_bytes)
+        budget = RequestBudget.of(self.policy)
         try:
             async with asyncio.TaskGroup() as group:
                 tasks = [group.create_task(self._fetch(kind, url, where, budget)) for kind, url, where in parts]
@@ -67,10 +68,10 @@ class MediaFetcher:
             raise refused.exceptions[0] from None
         return [task.result() for task in tasks]
 
-    async def _fetch(self, kind: str, url: str, where: str, budget: ByteBudget) -> MediaItem:
+    async def _fetch(self, kind: str, url: str, where: str, budget: RequestBudget) -> MediaItem:
         if kind not in KINDS:
             raise ValueError(f"unknown media kind {kind!r}")
-        reader = ItemReader(kind, self.policy.max_bytes(kind), budget)
+        reader = ItemReader(kind, self.policy.max_bytes(kind), budget.data)
         try:
             scheme = url[:8].lower()
             if scheme.startswith("data:"):
@@ -81,7 +82,7 @@ class MediaFetcher:
                 await asyncio.to_thread(self._read_local, kind, url, reader)
             else:
                 raise MediaRefused("must be an http(s) URL, a data: URI, or a path under the media directory")
-            return await self._checked(kind, reader.data())
+            return await self._checked(kind, reader.data(), budget.pixels)
         except MediaRefused as exc:
             raise exc.at(where) from None
 
@@ -139,22 +140,24 @@ class MediaFetcher:
             while chunk := file.read(_CHUNK):
                 reader.add(chunk)
 
-    async def _checked(self, kind: str, data: bytes) -> MediaItem:
+    async def _checked(self, kind: str, data: bytes, pixels: Budget) -> MediaItem:
         # Hashing and decoding hundreds of MiB is CPU work: threads, off the event loop.
         digest = await asyncio.to_thread(lambda: hashlib.sha256(data).hexdigest())
         cached = self._cache.get(digest)
         if cached is not None and cached.kind == kind:
             self._cache.move_to_end(digest)
+            if cached.image is not None:  # decoded before, it still counts: this request's processor reads it
+                pixels.take(cached.image.width * cached.image.height)
             return cached
-        fmt, image = await asyncio.to_thread(self._inspect, kind, data)
+        fmt, image = await asyncio.to_thread(self._inspect, kind, data, pixels)
         item = MediaItem(kind=kind, data=data, format=fmt, sha256=digest, image=image)
         self._remember(item)
         return item
 
-    def _inspect(self, kind: str, data: bytes):
+    def _inspect(self, kind: str, data: bytes, pixels: Budget):
         fmt = identify(kind, data)
         if kind == "image":
-            return fmt, decode_image(data, fmt, self.policy)
+            return fmt, decode_image(data, fmt, self.policy, pixels)
         check_container(kind, fmt, data, self.policy)
         return fmt, None
 

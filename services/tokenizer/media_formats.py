@@ -9,7 +9,7 @@ import struct
 
 from PIL import Image
 
-from services.tokenizer.media_types import MediaPolicy, MediaRefused
+from services.tokenizer.media_types import Budget, MediaPolicy, MediaRefused
 
 # Formats a kind may be, as MindIE documents them (webp and gif beside jpeg and png, as OpenAI's API).
 FORMATS = {
@@ -53,9 +53,10 @@ def identify(kind: str, data: bytes) -> str:
     return fmt
 
 
-def decode_image(data: bytes, fmt: str, policy: MediaPolicy) -> Image.Image:
-    """The first frame as RGB, once the declared size, the frame count and
-    verify() have passed. CPU-heavy: call it off the event loop."""
+def decode_image(data: bytes, fmt: str, policy: MediaPolicy, pixels: Budget) -> Image.Image:
+    """The first frame as RGB, once the declared size, the frame count, the
+    request's pixel budget (`pixels`) and verify() have passed. CPU-heavy: call
+    it off the event loop."""
     formats = [_PIL_FORMATS[fmt]]
     try:
         # Image.open reads the header only (and refuses twice PIL's own pixel limit itself).
@@ -67,6 +68,7 @@ def decode_image(data: bytes, fmt: str, policy: MediaPolicy) -> Image.Image:
             num_frames = getattr(image, "n_frames", 1)
             if num_frames > policy.max_frames:
                 raise MediaRefused(f"the image has {num_frames} frames, more than the {policy.max_frames} allowed")
+            pixels.take(width * height)
         with Image.open(io.BytesIO(data), formats=formats) as image:
             image.verify()
         with Image.open(io.BytesIO(data), formats=formats) as image:

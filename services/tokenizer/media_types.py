@@ -34,6 +34,7 @@ class MediaPolicy:
     total_timeout_s: float = 60.0  # one fetch, redirects included
     max_redirects: int = 3
     max_image_pixels: int = Image.MAX_IMAGE_PIXELS  # width x height, checked before decoding
+    max_request_pixels: int = 100_000_000  # all images of one request together, decoded (300 MB as RGB)
     max_frames: int = 1000  # animated images and video
     max_seconds: float = 600.0  # video and audio duration
     cache_bytes: int = 256 * MIB  # fetched media kept by content hash
@@ -53,6 +54,7 @@ class MediaPolicy:
             read_timeout_s=config.media_read_timeout_s,
             total_timeout_s=config.media_fetch_timeout_s,
             max_image_pixels=config.max_image_pixels,
+            max_request_pixels=config.max_request_image_pixels,
             max_frames=config.max_media_frames,
             max_seconds=config.max_media_seconds,
             cache_bytes=config.media_cache_mib * MIB,
@@ -102,26 +104,41 @@ def too_large(reason: str) -> MediaRefused:
     return MediaRefused(reason, 413)
 
 
-class ByteBudget:
-    """The bytes a request's media may still bring (fetches of one request share it)."""
+class Budget:
+    """What a request's media may still bring of one quantity (bytes fetched,
+    pixels decoded); the parts of one request share it, from several threads."""
 
-    def __init__(self, max_request_bytes: int):
-        self.max_request_bytes = max_request_bytes
+    def __init__(self, limit: int, noun: str, unit: str):
+        self.limit = limit
+        self.noun = noun  # what the refusal says: "the request's <noun> exceed <limit> <unit> in all"
+        self.unit = unit
         self.used = 0
-        self._lock = threading.Lock()  # local files and data URIs are read in threads
+        self._lock = threading.Lock()  # local files and data URIs are read, and images decoded, in threads
 
-    def take(self, num_bytes: int) -> None:
+    def take(self, amount: int) -> None:
         with self._lock:
-            self.used += num_bytes
-            used = self.used
-        if used > self.max_request_bytes:
-            raise too_large(f"the request's media exceed {self.max_request_bytes} bytes in all")
+            if self.used + amount > self.limit:
+                raise too_large(f"the request's {self.noun} exceed {self.limit} {self.unit} in all")
+            self.used += amount
+
+
+@dataclass(frozen=True)
+class RequestBudget:
+    """The bytes a request's media may bring, and the pixels its images may decode to."""
+
+    data: Budget
+    pixels: Budget
+
+    @classmethod
+    def of(cls, policy: MediaPolicy) -> RequestBudget:
+        return cls(Budget(policy.max_request_bytes, "media", "bytes"),
+                   Budget(policy.max_request_pixels, "images", "pixels"))
 
 
 class ItemReader:
     """Counts one item's bytes against its own cap and the request's budget."""
 
-    def __init__(self, kind: str, max_bytes: int, budget: ByteBudget):
+    def __init__(self, kind: str, max_bytes: int, budget: Budget):
         self.kind = kind
         self.max_bytes = max_bytes
         self.budget = budget

@@ -1,10 +1,13 @@
 """Vision-language models through the whole chain with the `openai` client:
 one chain per family (a tiny random-weight model, float32, 4-token KV blocks),
 images as data URIs, from the local media directory and from an HTTP server
-on loopback (the chain allows 127.0.0.1/32 for it), two images in one message,
-the prefix cache keyed by image content, choices forked from a prompt with an
-image, and refused parts (a video, a bad data URI) as the documented 422 with
-the chain still serving.
+on loopback (the chain allows 127.0.0.2/32 for it, and no other loopback
+address), two images in one message, the prefix cache keyed by image content,
+choices forked from a prompt with an image, and refused parts as the
+documented 4xx with the chain still serving: a video, the SSRF and abuse
+cases of docs/media.md (addresses, redirects, names, symlinks, part count,
+decompression bombs, sizes, a silent server, bad data URIs), and any media
+part sent to the bundled text-only model.
 
 Random weights give no meaningful text, so the checks are on what the model
 saw: greedy log-probabilities are the same whichever way the same image
@@ -16,14 +19,18 @@ import base64
 import functools
 import http.server
 import io
+import socket
 import threading
+import urllib.parse
 
+import httpx
 import numpy as np
 import pytest
 from PIL import Image
 from transformers import AutoImageProcessor
 
-from tests.e2e.conftest import load_reader, running_chain
+from tests.e2e.conftest import MODEL, load_reader, running_chain
+from tests.unit.tokenizer.media_fixtures import data_uri, png_claiming
 from tests.vlm_models import LLAVA_TOKENS_PER_IMAGE, build_vlm
 
 BLOCK_SIZE = 4
@@ -39,6 +46,24 @@ def _png(seed: int, width: int, height: int) -> bytes:
 
 
 IMAGES = {"a": _png(1, 100, 70), "b": _png(2, 60, 90), "c": _png(3, 80, 80)}
+# The media server's loopback address, the one the chain allows: 127.0.0.1 (where
+# the chain itself listens, and where "localhost" resolves) and ::1 stay refused.
+MEDIA_HOST = "127.0.0.2"
+MAX_ITEM_MIB = 1  # STORMSERVE_MAX_REQUEST_MIB: an item over it is refused with 413
+READ_TIMEOUT_S = 2  # STORMSERVE_MEDIA_READ_TIMEOUT_S: how long a silent media server is waited for
+
+
+class _MediaHandler(http.server.SimpleHTTPRequestHandler):
+    """Serves the media directory, and /redirect?to=<url> as a 302 to that URL."""
+
+    def do_GET(self):
+        path, _, query = self.path.partition("?")
+        if path != "/redirect":
+            return super().do_GET()
+        self.send_response(302)
+        self.send_header("Location", urllib.parse.parse_qs(query)["to"][0])
+        self.send_header("Content-Length", "0")
+        self.end_headers()
 
 
 # Qwen2.5-VL shares Qwen2-VL's path in front and its positions; its tower is held to
@@ -53,16 +78,17 @@ def vlm(request, tmp_path_factory):
     media_dir = tmp_path_factory.mktemp(f"media-{family}")
     for name, data in IMAGES.items():
         (media_dir / f"{name}.png").write_bytes(data)
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(media_dir))
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    handler = functools.partial(_MediaHandler, directory=str(media_dir))
+    server = http.server.ThreadingHTTPServer((MEDIA_HOST, 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     env = {"STORMSERVE_MODEL_PATH": str(model_dir), "STORMSERVE_DTYPE": "float32",
            "STORMSERVE_CACHE_BLOCK_SIZE": str(BLOCK_SIZE), "STORMSERVE_KV_CACHE_MIB": "64",
-           "STORMSERVE_MEDIA_DIR": str(media_dir), "STORMSERVE_MEDIA_ALLOWED_NETWORKS": "127.0.0.1/32"}
+           "STORMSERVE_MEDIA_DIR": str(media_dir), "STORMSERVE_MEDIA_ALLOWED_NETWORKS": f"{MEDIA_HOST}/32",
+           "STORMSERVE_MAX_REQUEST_MIB": str(MAX_ITEM_MIB), "STORMSERVE_MEDIA_READ_TIMEOUT_S": str(READ_TIMEOUT_S)}
     try:
         with running_chain(tmp_path_factory.mktemp(f"chain-{family}"), env=env) as (chain, stub):
             client = OpenAI(base_url=chain.url + "/v1", api_key="unused", timeout=120, max_retries=0)
-            yield family, model_dir, client, stub, media_dir, f"http://127.0.0.1:{server.server_port}"
+            yield family, model_dir, client, stub, media_dir, f"http://{MEDIA_HOST}:{server.server_port}"
     finally:
         server.shutdown()
         server.server_close()
@@ -138,21 +164,86 @@ def test_prefix_cache_reuses_an_image_only_for_the_same_image(vlm):
     assert load().workers[0].num_cached_tokens > cached_before
 
 
-def test_refused_parts_get_the_documented_422(vlm):
+def _post(base_url, content: list[dict]) -> httpx.Response:
+    """A chat request of one user message with `content`, as raw HTTP through the edge."""
+    body = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": content}]}
+    return httpx.post(f"{str(base_url).rstrip('/')}/chat/completions", json=body, timeout=120)
+
+
+def _expect_refusal(response: httpx.Response, status: int, where: str, words: str) -> None:
+    """The documented error body, its message naming the part (`where`: the part,
+    or "messages" for the edge's rule on the whole list) and the reason."""
+    body = response.json()
+    assert response.status_code == status, body
+    error_type = {422: "Input Validation Error", 413: "Payload Too Large"}[status]
+    assert body == {"error": body["message"], "error_type": error_type, "code": status, "result": None,
+                    "message": body["message"]}
+    assert body["message"].startswith(where) and words in body["message"], body["message"]
+
+
+def test_a_video_part_gets_the_documented_422(vlm):
     _, _, client, _, _, _ = vlm
     from openai import UnprocessableEntityError
 
-    model = client.models.list().data[0].id
-    for part, reason in (
-        ({"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}, "video_url and audio_url"),
-        ({"type": "image_url", "image_url": {"url": "data:image/png;base64,not base64!"}}, "messages[0].content[1]"),
-    ):
-        with pytest.raises(UnprocessableEntityError) as refused:
-            client.chat.completions.create(model=model, max_tokens=2, messages=[
-                {"role": "user", "content": [{"type": "text", "text": "Look:"}, part]}])
-        body = refused.value.response.json()
-        assert body["error_type"] == "Input Validation Error" and body["code"] == 422 and reason in body["error"]
+    with pytest.raises(UnprocessableEntityError) as refused:
+        client.chat.completions.create(model=client.models.list().data[0].id, max_tokens=2, messages=[
+            {"role": "user", "content": [{"type": "text", "text": "Look:"},
+                                         {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}]}])
+    body = refused.value.response.json()
+    assert body["error_type"] == "Input Validation Error" and body["code"] == 422
+    assert "video_url and audio_url parts are not supported" in body["error"]
     assert _ask(client, _data_uri("a")).choices[0].finish_reason == "length"  # still serving
+
+
+def test_ssrf_and_abusive_parts_are_refused_through_the_chain(vlm, tmp_path):
+    """docs/media.md's cases, each as a client sees it through the edge: a 4xx
+    with the documented body naming the part and the reason, never a 5xx; the
+    chain serves on."""
+    _, _, client, _, media_dir, http_base = vlm
+    (tmp_path / "secret.png").write_bytes(IMAGES["a"])
+    (media_dir / "escape.png").unlink(missing_ok=True)
+    (media_dir / "escape.png").symlink_to(tmp_path / "secret.png")
+    cap = MAX_ITEM_MIB * 2**20
+    (media_dir / "big.png").write_bytes(b"\x89PNG\r\n\x1a\n".ljust(cap + 1, b"\0"))
+    silent = socket.create_server((MEDIA_HOST, 0))  # takes connections into its backlog and never answers
+    media_port, edge_port = urllib.parse.urlsplit(http_base).port, client.base_url.port
+    where = "messages[0].content[1].image_url: "
+    cases = [
+        ("http://10.0.0.1/a.png", 422, "resolves to a non-public address (10.0.0.1)"),
+        ("http://169.254.169.254/latest/meta-data/", 422, "resolves to a non-public address (169.254.169.254)"),
+        (f"http://127.0.0.1:{edge_port}/v1/models", 422, "resolves to a non-public address (127.0.0.1)"),
+        (f"http://[::1]:{media_port}/a.png", 422, "resolves to a non-public address (::1)"),
+        (f"http://localhost:{media_port}/a.png", 422, "the host localhost resolves to a non-public address"),
+        (f"{http_base}/redirect?to=http://169.254.169.254/latest/meta-data/", 422,
+         "the host 169.254.169.254 resolves to a non-public address"),
+        (f"{http_base}/redirect?to=http://127.0.0.1:{edge_port}/v1/models", 422,
+         "the host 127.0.0.1 resolves to a non-public address"),
+        (f"{media_dir}/escape.png", 422, "symlinks are not followed"),
+        (data_uri("image/png", png_claiming(100_000, 100_000)), 422, "(a decompression bomb)"),
+        (f"{media_dir}/big.png", 413, f"the image is {cap + 1} bytes, more than the {cap} allowed"),
+        (f"http://{MEDIA_HOST}:{silent.getsockname()[1]}/a.png", 422, "the media server timed out (ReadTimeout)"),
+        ("data:image/png;base64,not base64!", 422, "the data URI's base64 payload is malformed"),
+    ]
+    try:
+        for url, status, words in cases:
+            response = _post(client.base_url, [{"type": "text", "text": "Look:"},
+                                               {"type": "image_url", "image_url": {"url": url}}])
+            _expect_refusal(response, status, where, words)
+    finally:
+        silent.close()
+    parts = [{"type": "image_url", "image_url": {"url": f"{media_dir}/a.png"}}] * 21
+    _expect_refusal(_post(client.base_url, parts), 422, "messages ", "may hold at most 20 media parts, got 21")
+    assert _ask(client, f"{http_base}/a.png").choices[0].finish_reason == "length"  # still serving
+
+
+def test_a_text_only_model_refuses_any_media_part(base_url):
+    """The bundled model has no vision tower: the documented 422, before any fetch."""
+    response = _post(base_url + "/v1", [{"type": "text", "text": "What is this?"},
+                                        {"type": "image_url", "image_url": {"url": _data_uri("a")}}])
+    message = "this model accepts text only; media content parts are not supported"
+    assert response.status_code == 422
+    assert response.json() == {"error": message, "error_type": "Input Validation Error", "code": 422,
+                               "result": None, "message": message}
 
 
 def test_choices_share_the_prompt_with_its_image(vlm):

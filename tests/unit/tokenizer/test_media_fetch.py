@@ -10,10 +10,7 @@ from ipaddress import ip_network
 
 import pytest
 
-from services.common.errors import ServiceError
 from services.tokenizer.media import MediaFetcher, MediaPolicy, MediaRefused
-from services.tokenizer.template import message_to_dict
-from stormserve.chat.v1 import chat_pb2
 from tests.tls import TestCA
 from tests.unit.tokenizer.media_fixtures import (
     body, drip, endless, expect_answer, gif, http_server, png, png_claiming, redirect, silent)
@@ -187,21 +184,5 @@ def test_what_the_server_says_is_not_what_the_bytes_are() -> None:
             await expect(await refused(fetcher, server.url("/gone.png")), 422, "answered HTTP 404")
             await expect(await refused(fetcher, server.url("/cat"), "video"), 422, "expected video")
             assert (await fetcher.fetch("image", server.url("/cat"), WHERE)).format == "png"
-
-    asyncio.run(scenario())
-
-
-def test_a_text_only_model_refuses_media_parts_without_fetching_them() -> None:
-    """The model's own refusal comes first: a model that cannot use media
-    never reaches out for it, so a text-only server has no fetch to abuse."""
-    async def scenario() -> None:
-        async with http_server({"/a.png": body(png())}) as server:
-            message = chat_pb2.ChatMessage(role="user", content_parts=[
-                chat_pb2.ContentPart(type="text", text="what is this?"),
-                chat_pb2.ContentPart(type="image_url", image_url=chat_pb2.MediaUrl(url=server.url("/a.png")))])
-            with pytest.raises(ServiceError, match="accepts text only") as caught:
-                message_to_dict(message)
-            assert not isinstance(caught.value, MediaRefused) and caught.value.error_reason == ""
-            assert server.requests == []
 
     asyncio.run(scenario())

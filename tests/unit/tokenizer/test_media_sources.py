@@ -14,7 +14,7 @@ from PIL import Image
 from services.common.config import load_config
 from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.media import MediaFetcher, MediaPolicy, MediaRefused
-from tests.unit.tokenizer.media_fixtures import data_uri, expect_answer, gif, mp4, png, wav
+from tests.unit.tokenizer.media_fixtures import data_uri, expect_answer, gif, mp4, png, png_claiming, wav
 
 WHERE = "messages[0].content[0].image_url"
 
@@ -150,6 +150,34 @@ def test_fetch_all_names_the_part_that_was_refused() -> None:
     asyncio.run(scenario())
 
 
+def test_the_images_of_a_request_share_one_budget_of_decoded_pixels() -> None:
+    """Each image may be up to MAX_IMAGE_PIXELS, and PNGs compress far below the
+    byte caps: the pixels all parts decode to, together, are what bounds memory."""
+    def parts(*images: bytes) -> list[tuple[str, str, str]]:
+        return [("image", data_uri("image/png", data), f"messages[0].content[{i}].image_url")
+                for i, data in enumerate(images)]
+
+    async def over_budget(fetcher: MediaFetcher, *images: bytes) -> None:
+        with pytest.raises(MediaRefused) as caught:
+            await fetcher.fetch_all(parts(*images))
+        # Parts decode concurrently: whichever comes second is the one over the budget.
+        assert caught.value.where in {where for _, _, where in parts(*images)}
+        await expect_answer(caught.value, 413, caught.value.where, "the request's images exceed 1000 pixels in all")
+
+    async def scenario() -> None:
+        fetcher = MediaFetcher(MediaPolicy(max_request_pixels=1000))
+        small, other, large = png(20, 20, (1, 1, 1)), png(20, 20, (2, 2, 2)), png(30, 30)  # 400, 400, 900 pixels
+        assert [i.image.size for i in await fetcher.fetch_all(parts(small, other))] == [(20, 20)] * 2
+        await over_budget(fetcher, small, large)
+        # Counted from the header, before decoding: this one would fail to decode (422) if it got that far.
+        await over_budget(fetcher, png_claiming(40, 40))
+        # A cached image is not decoded again, but the request still holds its pixels.
+        assert (await fetcher.fetch_all(parts(large)))[0].image.size == (30, 30)
+        await over_budget(fetcher, large, other)
+
+    asyncio.run(scenario())
+
+
 def test_the_same_bytes_are_checked_and_decoded_once() -> None:
     async def scenario() -> None:
         one, other = png(3, 3, (1, 1, 1)), png(3, 3, (2, 2, 2))
@@ -170,11 +198,13 @@ def test_the_policy_comes_from_the_tokenizer_config() -> None:
     config = load_config(TokenizerConfig, ["--allowed-media-domains", "Media.Example, cdn.example.,[0:0::1]",
                                            "--media-allowed-networks", "10.1.0.0/16,127.0.0.1",
                                            "--media-dir", "/srv/media", "--maxRequestLength", "8",
-                                           "--max-image-pixels", "1000000"], environ={})
+                                           "--max-image-pixels", "1000000", "--max-request-image-pixels",
+                                           "5000000"], environ={})
     policy = MediaPolicy.from_config(config)
     assert policy.allowed_domains == {"media.example", "cdn.example", "::1"}
     assert policy.allowed_networks == (ip_network("10.1.0.0/16"), ip_network("127.0.0.1/32"))
     assert (policy.media_dir, policy.max_image_bytes, policy.max_image_pixels) == ("/srv/media", 8 << 20, 1_000_000)
+    assert policy.max_request_pixels == 5_000_000
     assert MediaPolicy.from_config(TokenizerConfig()) == MediaPolicy()
     with pytest.raises(ValueError, match="not a network"):
         TokenizerConfig(media_allowed_networks=("10.0.0.0/33",))

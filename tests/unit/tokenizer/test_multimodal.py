@@ -1,19 +1,24 @@
-"""Image parts in front: what the chat template sees, and each placeholder
-expanded to the image tokens of the model's own image processor."""
+"""Image parts in front: what the chat template sees, each placeholder
+expanded to the image tokens of the model's own image processor, and the
+parts a model cannot use refused before anything is fetched."""
 from __future__ import annotations
 
+import asyncio
 import hashlib
 
 import numpy as np
 import pytest
 from PIL import Image
-from transformers import AutoConfig
+from transformers import AutoConfig, AutoTokenizer
 
 from services.common.errors import ServiceError
+from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.media import MediaItem, MediaRefused
 from services.tokenizer.multimodal import ImageProcessor
+from services.tokenizer.prompt import PromptBuilder
 from services.tokenizer.template import media_parts, message_to_dict
 from stormserve.chat.v1 import chat_pb2
+from tests.unit.tokenizer.media_fixtures import body, http_server, mp4, png
 from tests.vlm_models import FAMILIES, LLAVA_TOKENS_PER_IMAGE, build_vlm
 
 
@@ -34,9 +39,36 @@ def _item(width: int, height: int) -> MediaItem:
     return MediaItem(kind="image", data=data, format="png", sha256=hashlib.sha256(data).hexdigest(), image=image)
 
 
-def test_a_text_only_model_refuses_media_parts():
-    with pytest.raises(ServiceError, match="accepts text only"):
-        message_to_dict(_message(("text", "hi"), ("image_url", "data:image/png;base64,AA==")))
+def test_parts_a_model_cannot_use_are_refused_without_fetching_them(tmp_path):
+    """A text-only model refuses every media part, a vision model video and
+    audio, before any fetch: a server that cannot use media never reaches out
+    for it. The fetch could reach the test server (its address is allowed),
+    as the image the vision model takes shows."""
+    directory = build_vlm("llava", tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    config = TokenizerConfig(media_allowed_networks=("127.0.0.1/32",))
+    text_only = PromptBuilder(config, tokenizer, max_input_tokens=2048)
+    vision = PromptBuilder(config, tokenizer, max_input_tokens=2048,
+                           images=ImageProcessor(directory, AutoConfig.from_pretrained(directory)))
+
+    async def scenario() -> None:
+        async with http_server({"/a.png": body(png()), "/v.mp4": body(mp4(1))}) as server:
+            image = _message(("text", "what is this?"), ("image_url", server.url("/a.png")))
+            video = _message(("text", "and this?"), ("video_url", server.url("/v.mp4")))
+            with pytest.raises(ServiceError, match="accepts text only") as caught:
+                await text_only.render([image], [], {})
+            assert not isinstance(caught.value, MediaRefused) and caught.value.error_reason == ""
+            with pytest.raises(ServiceError, match="video_url and audio_url parts are not supported"):
+                await vision.render([video], [], {})
+            assert server.requests == []
+            prompt = await vision.render([image], [], {})
+            assert [path for path, _ in server.requests] == ["/a.png"] and len(prompt.images) == 1
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        text_only.close()
+        vision.close()
 
 
 def test_a_vision_model_sees_image_parts_and_refuses_video_and_audio():

@@ -3,23 +3,37 @@ and Qwen2.5-VL models give the logits of transformers' own forward of the
 same model (float32, pixels from the model's own image processor), with the
 prompt's prefill chunked so that one image spans two steps, a text-only
 sequence and images of several sequences in the same packed steps, and decode
-steps after it (Qwen2-VL: the M-RoPE position offset an image leaves)."""
+steps after it (Qwen2-VL: the M-RoPE position offset an image leaves); and the
+pixels the worker gets are the tokenizer's processor's, bit for bit."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
-from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+from transformers import AutoConfig, AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
 
 from services.common.errors import ServiceError
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.convert import to_sequence
+from services.scheduler.worker_client import step_request
+from services.tokenizer.media import MediaItem
+from services.tokenizer.multimodal import ImageProcessor
+from services.tokenizer.server import _generate_request
+from services.tokenizer.template import RenderedPrompt
+from services.worker.convert import step_from_proto
 from services.worker.platforms import select_platform
 from services.worker.model_runner import ModelRunner
 from services.worker.sequence import SamplingParams, SequenceInput
 from services.worker.vision import ImageInput, VisionLanguageDecoder, mrope_positions
+from stormserve.chat.v1 import chat_pb2
+from stormserve.scheduler.v1 import scheduler_pb2
+from stormserve.worker.v1 import worker_pb2
+from tests.unit.scheduler.test_policy import make_policy
 from tests.unit.worker.block_tables import BlockTables
 from tests.vlm_models import FAMILIES, build_vlm
 
@@ -169,3 +183,31 @@ def test_bfloat16_stays_close_to_float32(family_dir):
                                     images=tuple(images))
         logits[dtype] = torch.cat([runner.forward([first]), runner.forward([tables.feed(1, [5], len(ids), True)])])
     torch.testing.assert_close(logits["bfloat16"].float(), logits["float32"], atol=0.02, rtol=0.02)
+
+
+def test_pixels_reach_the_worker_as_the_processor_left_them(family_dir):
+    """The tokenizer's processed image, serialized at each hop (the tokenizer's
+    GenerateRequest, the scheduler's sequence and worker step, the worker's step
+    conversion), is the image processor's own tensor: values, shape and dtype."""
+    family, directory = family_dir
+    config = AutoConfig.from_pretrained(directory)
+    image = _image(6, 100, 70)
+    item = MediaItem("image", image.tobytes(), "png", hashlib.sha256(image.tobytes()).hexdigest(), image)
+    token_ids, processed = ImageProcessor(directory, config).expand([5, config.image_token_id, 6], [item])
+    generate = _generate_request(chat_pb2.ChatRequest(max_tokens=4), "r1", RenderedPrompt("", token_ids, processed), 0,
+                                 None, None)
+    sequence = to_sequence(scheduler_pb2.GenerateRequest.FromString(generate.SerializeToString()), 1,
+                           SchedulerConfig(), now_us=0)
+    policy = make_policy()
+    policy.add(sequence)
+    step = worker_pb2.StepRequest.FromString(step_request(policy.schedule()).SerializeToString())
+    ((received,),) = [s.images for s in step_from_proto(step)[0]]
+
+    expected = AutoImageProcessor.from_pretrained(directory)(images=[image], return_tensors="pt")["pixel_values"]
+    if family == "llava":
+        expected = expected[0]  # one image's [channels, height, width]
+    assert received.pixel_values.dtype == expected.dtype == torch.float32
+    assert received.pixel_values.shape == expected.shape
+    assert torch.equal(received.pixel_values, expected)
+    assert (received.offset, received.num_tokens, received.grid_thw) == (
+        processed[0].offset, processed[0].num_tokens, processed[0].grid_thw)

@@ -288,9 +288,7 @@ class ChatCompletions:
                 if first is not None and first.HasField("error"):
                     raise _chunk_error(first)
                 handed_off = True
-                return EventStreamResponse(self._events(call, first, ctx, deadline, record), on_close=call.cancel,
-                                           stall_timeout_s=self.config.stream_stall_timeout_s,
-                                           name=ctx.request_id)
+                return EventStreamResponse(self._events(call, first, ctx, deadline, record), on_close=call.cancel)
             builder = CompletionBuilder(ctx)
             await unless_disconnected(request.receive, self._collect(call, builder, record))
             return JSONResponse(builder.result())

@@ -9,6 +9,7 @@ import json
 import socket
 import threading
 import time
+from contextlib import suppress
 
 import httpx
 import pytest
@@ -102,10 +103,12 @@ def stalled_stream(url: str) -> socket.socket:
 
 
 def read_to_end(sock: socket.socket) -> bytes:
+    """What the client had been sent, up to the edge's close or reset."""
     sock.settimeout(30)
     data = b""
-    while piece := sock.recv(65536):
-        data += piece
+    with suppress(ConnectionResetError):
+        while piece := sock.recv(65536):
+            data += piece
     return data
 
 
@@ -122,9 +125,9 @@ def test_clients_that_stop_reading_are_cancelled_and_free_their_sequences(hostil
         assert (idle.num_running, idle.num_waiting) == (0, 0)
         assert idle.num_free_kv_blocks == idle.num_kv_blocks
         for sock in sockets:
-            reply = read_to_end(sock)  # the edge closed the connection
+            reply = read_to_end(sock)  # the edge reset the connection
             assert reply.startswith(b"HTTP/1.1 200"), reply[:200]
-            # Cut, not finished: closed without [DONE] (stalled past the stall timeout), or
+            # Cut, not finished: reset without [DONE] (stalled past the stall timeout), or
             # ended by an error frame (fell more than the buffer behind, and that frame fitted).
             assert b"data: [DONE]" not in reply or b'"code":503' in reply, reply[-500:]
     finally:

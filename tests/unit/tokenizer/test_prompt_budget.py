@@ -1,7 +1,8 @@
 """Chat-template renders under a budget, in render processes that can be
 stopped: request templates refused unless trusted, reserved kwargs refused,
-a runaway render stopped at its time budget without delaying other renders,
-huge outputs refused before tokenizing, a cancelled request's render killed."""
+a runaway render (the model's own template included) stopped at its time
+budget without delaying other renders, huge outputs refused before
+tokenizing, a cancelled request's render killed."""
 from __future__ import annotations
 
 import asyncio
@@ -19,11 +20,21 @@ from stormserve.chat.v1 import chat_pb2
 
 RUNAWAY = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}x"
 MESSAGES = [chat_pb2.ChatMessage(role="user", content="hi")]
+# A model template whose work grows with the square of a message's length: instant for
+# "hi", 10^10 loop turns for a 100,000-character message (the edge allows 4 Mi characters).
+QUADRATIC = ("{% for m in messages %}{% for a in m['content'] %}{% for b in m['content'] %}{% endfor %}"
+             "{% endfor %}{{ m['content'] }}{% endfor %}")
+HUGE_MESSAGE = [chat_pb2.ChatMessage(role="user", content="x" * 100_000)]
+HANG_S = 120  # only keeps a render without a budget from hanging a test
+
+
+def load_tokenizer():
+    return AutoTokenizer.from_pretrained(resolve_model(default_model_path()))
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return AutoTokenizer.from_pretrained(resolve_model(default_model_path()))
+    return load_tokenizer()
 
 
 @pytest.fixture(scope="module")
@@ -42,13 +53,25 @@ def default(tokenizer):
     builder.close()
 
 
-def render(builder: PromptBuilder, **kwargs):
-    return asyncio.run(builder.render(MESSAGES, [], kwargs))
+@pytest.fixture(scope="module")
+def quadratic():
+    """A server whose model template is QUADRATIC, with one render process."""
+    tokenizer = load_tokenizer()
+    tokenizer.chat_template = QUADRATIC
+    builder = PromptBuilder(TokenizerConfig(template_timeout_s=1.5, render_processes=1), tokenizer,
+                            max_input_tokens=2048)
+    builder.warm_up()
+    yield builder
+    builder.close()
 
 
-def refusal(builder: PromptBuilder, **kwargs) -> ServiceError:
+def render(builder: PromptBuilder, messages: list[chat_pb2.ChatMessage] = MESSAGES, /, **kwargs):
+    return asyncio.run(asyncio.wait_for(builder.render(messages, [], kwargs), HANG_S))
+
+
+def refusal(builder: PromptBuilder, messages: list[chat_pb2.ChatMessage] = MESSAGES, /, **kwargs) -> ServiceError:
     with pytest.raises(ServiceError) as caught:
-        render(builder, **kwargs)
+        render(builder, messages, **kwargs)
     return caught.value
 
 
@@ -80,6 +103,13 @@ def test_output_past_what_the_input_limit_can_hold_is_refused_before_tokenizing(
 def test_a_template_that_eats_memory_is_refused(trusting):
     error = refusal(trusting, chat_template="{{ ('a' * 100000000) * 30 }}")
     assert error.code == grpc.StatusCode.INVALID_ARGUMENT and "memory" in error.message
+
+
+def test_the_model_template_renders_under_the_same_time_budget(quadratic):
+    assert render(quadratic).text == "hi"
+    error = refusal(quadratic, HUGE_MESSAGE)
+    assert error.code == grpc.StatusCode.INVALID_ARGUMENT and "did not finish within 1.5 s" in error.message
+    assert render(quadratic).text == "hi"
 
 
 def test_a_runaway_render_is_stopped_and_the_lane_serves_again(trusting):

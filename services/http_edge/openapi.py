@@ -16,7 +16,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse
 from pydantic.json_schema import models_json_schema
 
-from services.http_edge.fingerprint import stormserve_version
+from services.common.fingerprint import stormserve_version
 from services.http_edge.protocol import ChatCompletionRequest
 from services.http_edge.schemas import RESPONSE_MODELS
 

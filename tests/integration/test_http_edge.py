@@ -22,10 +22,10 @@ from grpc_health.v1 import health_pb2_grpc
 from stormserve.chat.v1 import chat_pb2, chat_pb2_grpc
 
 from services.common.errors import ServiceError
+from services.common.fingerprint import system_fingerprint
 from services.common.multiplex import multiplexed_method
 from services.http_edge.app import create_app
 from services.http_edge.config import EdgeConfig
-from services.http_edge.fingerprint import system_fingerprint
 
 Script = Callable[[chat_pb2.ChatRequest], AsyncIterator[chat_pb2.ChatChunk]]
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}

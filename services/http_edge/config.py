@@ -37,8 +37,8 @@ class EdgeConfig:
         256, "most of a stream's reply (serialized KiB) the edge holds for a client that reads slower than "
         "it is generated, [16, 65536]; past it the request is cancelled")
     stream_stall_timeout_s: float = setting(
-        30.0, "seconds a streaming client may accept no data while its reply waits before the request is "
-        "cancelled and the connection closed, (0, 3600]")
+        30.0, "seconds a client may leave its reply (a stream or a whole one) unread, its connection's buffers "
+        "full, before the connection is reset and a stream's request cancelled, (0, 3600]")
     drain_timeout_s: float = drain_timeout_setting()
     max_header_kib: int = setting(
         32, f"largest request head (request line and header fields) in KiB, [1, {MAX_HEADER_KIB}]; "

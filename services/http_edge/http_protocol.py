@@ -11,7 +11,13 @@ byte), and answers malformed HTTP in plain text. This subclass, per connection:
   on a kept-alive connection, from the first byte after a response: a started
   head that is late gets 408, a connection that sent nothing is just closed
   (browsers open spare connections and would log a stray 408);
-- answers malformed HTTP with 400.
+- answers malformed HTTP with 400;
+- resets a connection whose client leaves its reply unread: when writing
+  stays paused (the kernel's send buffer full, more waiting at the edge) for
+  `stream_stall_timeout_s`, what is still unsent, in the edge and in the
+  kernel, is dropped with the connection. A stream's app sees the disconnect
+  and cancels its request; a whole (non-stream) reply, written in one piece
+  and done with as far as the app knows, is freed with it.
 
 Every answer uses errors.py's body and closes the connection: the parser is
 mid-request and the rest of that request cannot be told from the next one.
@@ -22,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import struct
 from typing import Any, ClassVar, Literal
 
 import httptools
@@ -32,6 +39,7 @@ from uvicorn.server import ServerState
 from services.http_edge.config import EdgeConfig
 from services.http_edge.errors import EdgeError, bad_http, head_too_large, read_timeout
 from services.http_edge.metrics import EdgeMetrics
+from services.http_edge.observe import record_of
 
 log = logging.getLogger(__name__)
 
@@ -40,9 +48,9 @@ FIELD_OVERHEAD = len(": \r\n")
 # its bytes unread makes the kernel send RST, which can destroy our answer before
 # the client reads it. So the write side is shut and input discarded this long.
 LINGER_S = 2.0
-# Linux grows a connection's send buffer up to 4 MiB (tcp_wmem): a streaming client
-# that stops reading would park that much of its reply in the kernel before the
-# edge's own bound and stall timer (streaming.py) could see it fall behind.
+# Linux grows a connection's send buffer up to 4 MiB (tcp_wmem): a client that
+# stops reading would park that much of its reply in the kernel before the
+# transport paused writing and the stall timer could see it fall behind.
 SEND_BUFFER_BYTES = 256 * 1024
 
 
@@ -68,6 +76,7 @@ class EdgeHttpProtocol(HttpToolsProtocol):
         self._head_fields = 0
         self._message_ended = False  # a message ended in the read being parsed
         self._head_timer: asyncio.TimerHandle | None = None
+        self._stall_timer: asyncio.TimerHandle | None = None  # armed while writing is paused
         self._refusal: EdgeError | None = None  # raised out of a parser callback
         self._lingering = False  # refused: input is read and dropped until the close
 
@@ -82,6 +91,7 @@ class EdgeHttpProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_head_timer()
+        self._cancel_stall_timer()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -115,6 +125,15 @@ class EdgeHttpProtocol(HttpToolsProtocol):
         super().on_response_complete()
         if self._phase == "head":  # a pipelined head that started during the response
             self._arm_head_timer()
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._stall_timer is None:
+            self._stall_timer = self.loop.call_later(self.limits.stream_stall_timeout_s, self._stalled)
+
+    def resume_writing(self) -> None:
+        self._cancel_stall_timer()
+        super().resume_writing()
 
     # -- parser callbacks -----------------------------------------------------
 
@@ -162,6 +181,9 @@ class EdgeHttpProtocol(HttpToolsProtocol):
         self._refusal = error
         raise error
 
+    def _peer(self) -> str:
+        return "%s:%d" % self.client if self.client else "a client"
+
     def _in_flight(self) -> bool:
         return self.cycle is not None and not self.cycle.response_complete
 
@@ -184,13 +206,27 @@ class EdgeHttpProtocol(HttpToolsProtocol):
         else:  # nothing of a request came, at most the CRLFs allowed between requests
             self.transport.close()
 
+    def _cancel_stall_timer(self) -> None:
+        if self._stall_timer is not None:
+            self._stall_timer.cancel()
+            self._stall_timer = None
+
+    def _stalled(self) -> None:
+        self._stall_timer = None
+        record = record_of(self.cycle.scope) if self.cycle is not None else None
+        log.warning("%s: the client took too little of its reply for %g s; connection dropped",
+                    record.request_id if record is not None else self._peer(), self.limits.stream_stall_timeout_s)
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:  # a reset: a plain close would leave the kernel delivering its buffer for minutes
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.transport.abort()
+
     def _refuse(self, error: EdgeError) -> None:
         """Answer `error` with the merged body and close the connection."""
         self._cancel_head_timer()
         if self._lingering or self.transport.is_closing():
             return
-        peer = "%s:%d" % self.client if self.client else "a client"
-        log.info("refused %s: %d %s", peer, error.status, error.message)
+        log.info("refused %s: %d %s", self._peer(), error.status, error.message)
         if self.metrics is not None:
             self.metrics.record_refusal(error)
         if self._in_flight():

@@ -16,7 +16,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse
 from pydantic.json_schema import models_json_schema
 
-from services.http_edge.fingerprint import stormserve_version
+from services.common.fingerprint import stormserve_version
 from services.http_edge.protocol import ChatCompletionRequest
 from services.http_edge.schemas import RESPONSE_MODELS
 
@@ -34,8 +34,14 @@ def json_content(name: str) -> dict[str, Any]:
     return {"application/json": {"schema": ref(name)}}
 
 
+# Any request may be refused by the HTTP protocol before it reaches a route
+# (http_protocol.py): malformed HTTP, a head that came too slowly, a head too large.
+PROTOCOL_ERRORS = (400, 408, 431)
+
+
 def errors(*statuses: int) -> dict[str, Any]:
-    return {str(s): {"description": "the error body", "content": json_content("ErrorBody")} for s in statuses}
+    return {str(s): {"description": "the error body", "content": json_content("ErrorBody")}
+            for s in sorted({*statuses, *PROTOCOL_ERRORS})}
 
 
 CHAT_COMPLETIONS = {
@@ -50,7 +56,8 @@ CHAT_COMPLETIONS = {
                 "text/event-stream": {"schema": {"oneOf": [ref("ChatCompletionChunk"), ref("StreamErrorFrame")]}},
             },
         },
-        **errors(401, 413, 422, 424, 500, 503),
+        # 408 also for a body that came too slowly, 415 for a body not declared JSON
+        **errors(401, 413, 415, 422, 424, 500, 503),
     },
 }
 LIST_MODELS = {"responses": {"200": {"description": "the served models", "content": json_content("ModelList")},

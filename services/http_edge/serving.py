@@ -28,6 +28,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from stormserve.chat.v1 import chat_pb2
 
+from services.common.fingerprint import system_fingerprint
 from services.common.multiplex import MultiplexedCall
 from services.http_edge.backend import ChatBackend
 from services.http_edge.config import EdgeConfig
@@ -45,7 +46,6 @@ from services.http_edge.errors import (
     request_timeout,
     unsupported_media_type,
 )
-from services.http_edge.fingerprint import system_fingerprint
 from services.http_edge.observe import RequestRecord, record_of
 from services.http_edge.protocol import ChatCompletionRequest
 from services.http_edge.render import CompletionBuilder, ReplyContext, chunk_json, finish_reason
@@ -288,9 +288,7 @@ class ChatCompletions:
                 if first is not None and first.HasField("error"):
                     raise _chunk_error(first)
                 handed_off = True
-                return EventStreamResponse(self._events(call, first, ctx, deadline, record), on_close=call.cancel,
-                                           stall_timeout_s=self.config.stream_stall_timeout_s,
-                                           name=ctx.request_id)
+                return EventStreamResponse(self._events(call, first, ctx, deadline, record), on_close=call.cancel)
             builder = CompletionBuilder(ctx)
             await unless_disconnected(request.receive, self._collect(call, builder, record))
             return JSONResponse(builder.result())

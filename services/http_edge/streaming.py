@@ -13,15 +13,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from starlette.responses import Response
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
-log = logging.getLogger(__name__)
 T = TypeVar("T")
 DONE = b"data: [DONE]\n\n"
 
@@ -64,13 +61,12 @@ async def unless_disconnected(receive: Receive, work: Awaitable[T]) -> T:
 class EventStreamResponse(Response):
     """A `text/event-stream` response that stops its event source, and calls
     `on_close` (which cancels the backend call), when the client disconnects,
-    when the stream ends, when the server shuts down, or when the client has
-    accepted nothing for `stall_timeout_s` while an event waits to be sent
-    (the server writes only as fast as the client reads; the connection is then
-    closed without the rest of the reply)."""
+    when the stream ends or when the server shuts down. The server writes only
+    as fast as the client reads; a client that stops reading loses its
+    connection to the edge's stall timer (http_protocol.py), which reads here
+    as a disconnect."""
 
-    def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[], object],
-                 stall_timeout_s: float | None = None, name: str = ""):
+    def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[], object]):
         # Not Response.__init__: it would declare the empty body's Content-Length.
         self.status_code = 200
         self.background = None
@@ -79,45 +75,23 @@ class EventStreamResponse(Response):
         )
         self.events = events
         self.on_close = on_close
-        self.stall_timeout_s = stall_timeout_s
-        self.name = name
-        self._sending_since: float | None = None  # set while a send waits for the client
-
-    async def _send(self, send: Send, message: Message) -> None:
-        self._sending_since = time.monotonic()
-        await send(message)
-        self._sending_since = None
 
     async def _send_events(self, send: Send) -> None:
-        await self._send(send, {"type": "http.response.start", "status": self.status_code,
-                                "headers": self.raw_headers})
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         async for event in self.events:
-            await self._send(send, {"type": "http.response.body", "body": event, "more_body": True})
-        await self._send(send, {"type": "http.response.body", "body": b"", "more_body": False})
-
-    async def _watch_stall(self) -> None:
-        """Return once one send has waited `stall_timeout_s` for the client (never without a limit)."""
-        if self.stall_timeout_s is None:
-            await asyncio.Future()
-        while True:
-            since = self._sending_since
-            waited = 0.0 if since is None else time.monotonic() - since
-            if waited >= self.stall_timeout_s:
-                log.warning("%s: the client accepted no data for %g s; cancelled and closed", self.name,
-                            self.stall_timeout_s)
-                return
-            await asyncio.sleep(self.stall_timeout_s - waited)
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         sender = asyncio.ensure_future(self._send_events(send))
-        watchers = (asyncio.ensure_future(wait_for_disconnect(receive)), asyncio.ensure_future(self._watch_stall()))
+        watcher = asyncio.ensure_future(wait_for_disconnect(receive))
         try:
-            await asyncio.wait({sender, *watchers}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({sender, watcher}, return_when=asyncio.FIRST_COMPLETED)
             if sender.done():
                 with contextlib.suppress(OSError):  # ASGI 2.4 servers report a gone client here
                     sender.result()
         finally:
-            await _cancel(sender, *watchers)
+            await _cancel(sender, watcher)
             try:
                 await self.events.aclose()  # type: ignore[attr-defined]
             finally:

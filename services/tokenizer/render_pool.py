@@ -5,7 +5,9 @@ of the lane's executor: a job waits in the executor's queue for a free
 process, then gets `timeout_s` to answer. A render past its time is killed,
 and so is the render of a request that was cancelled (its client left); a
 job cancelled while still queued never starts. A killed process is replaced
-on the next job of its thread.
+at once, in the background, so the next job of its thread finds it started
+(or waits only for the rest of its start); one found dead by its thread's
+next job (it died while idle) is started again then.
 
 The tokenizer keeps two lanes: the model's own template, and request-supplied
 templates (only when the operator allows them), so runaway client templates
@@ -14,6 +16,7 @@ can fill their own lane but never delay the renders of ordinary requests.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -22,7 +25,7 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -121,20 +124,31 @@ class RenderLane:
         self.memory_mib = memory_mib
         self.num_processes = num_processes
         self._executor = ThreadPoolExecutor(num_processes, thread_name_prefix=f"render-{name}")
-        self._local = threading.local()
+        # Starts the replacements of killed processes while their threads take other work.
+        self._starter = ThreadPoolExecutor(num_processes, thread_name_prefix=f"render-{name}-start")
+        self._local = threading.local()  # .process: this thread's process, a Future while it starts
         self._processes: list[_RenderProcess] = []
         self._lock = threading.Lock()
 
+    def _start(self) -> _RenderProcess:
+        process = _RenderProcess(self.memory_mib, self.nice)
+        with self._lock:
+            self._processes = [p for p in self._processes if p.is_alive] + [process]
+        return process
+
     def _process(self) -> _RenderProcess:
-        """This thread's process, started (again) when it has none alive."""
+        """This thread's process: its replacement once started, or one started now when it has none alive."""
         process = getattr(self._local, "process", None)
+        if isinstance(process, Future):
+            try:
+                process = self._local.process = process.result()
+            except RenderCrashed:
+                self._local.process = None
+                raise
         if process is None or not process.is_alive:
             if process is not None:
                 process.kill()  # reap it
-            process = _RenderProcess(self.memory_mib, self.nice)
-            self._local.process = process
-            with self._lock:
-                self._processes = [p for p in self._processes if p.is_alive] + [process]
+            process = self._local.process = self._start()
         return process
 
     def _run(self, job: dict[str, Any], running: _Running) -> dict[str, Any]:
@@ -145,9 +159,12 @@ class RenderLane:
             running.process = process
         try:
             return process.run(job, self.timeout_s)
-        except RenderTimeout:
+        except (RenderTimeout, RenderCrashed) as exc:  # past its time, or killed for its cancelled request
             process.kill()
-            log.warning("a render in lane %s ran past %g s and was stopped", self.name, self.timeout_s)
+            with contextlib.suppress(RuntimeError):  # the lane is closing: no replacement
+                self._local.process = self._starter.submit(self._start)
+            if isinstance(exc, RenderTimeout):
+                log.warning("a render in lane %s ran past %g s and was stopped", self.name, self.timeout_s)
             raise
 
     def warm_up(self) -> None:
@@ -176,6 +193,7 @@ class RenderLane:
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self._starter.shutdown(wait=True, cancel_futures=True)  # so that no start outlives the kill below
         with self._lock:
             processes, self._processes = self._processes, []
         for process in processes:

@@ -13,6 +13,7 @@ from opentelemetry import trace
 from services.common import tracing
 from services.common.drain import Drain
 from services.common.errors import ServiceError, client_message, invalid_argument
+from services.common.fingerprint import system_fingerprint
 from services.common.multiplex import CallMultiplexer, MultiplexedCall, call_method, multiplexed_method
 from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.formats import ModelFormats, OutputOptions, output_options
@@ -44,6 +45,7 @@ class TokenizerCore:
         self.tokenizer = tokenizer
         self.formats = ModelFormats.detect(config, tokenizer, model_type)
         self.model_root = model_root
+        self.system_fingerprint = system_fingerprint(config.model_name, model_root)
         self.created = int(time.time())
         self.max_input_tokens = min(config.max_input_token_len, config.max_seq_len - 1, max_position_embeddings)
         encode = partial(tokenizer.encode, add_special_tokens=False)
@@ -148,6 +150,7 @@ class ChatServicer(chat_pb2_grpc.ChatServiceServicer):
     async def _chat(self, request):
         with tracing.span("chat", trace.SpanKind.SERVER) as span:
             async for response in self._respond(request, span):
+                response.chunk.system_fingerprint = self.core.system_fingerprint
                 yield response
 
     async def _respond(self, request, span):

@@ -12,7 +12,7 @@ import openai
 import pytest
 from stormserve.chat.v1 import chat_pb2
 
-from services.http_edge.fingerprint import system_fingerprint
+from services.common.fingerprint import system_fingerprint
 
 from tests.integration.test_http_edge import (
     BODY,

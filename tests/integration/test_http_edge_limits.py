@@ -1,13 +1,17 @@
 """The edge's HTTP limits over raw sockets: the server of server.py (uvloop,
 the edge's httptools protocol) in-process on a free port, in front of the
-fake ChatService of test_http_edge. Short limits keep the timeouts quick."""
+fake ChatService of test_http_edge. Short limits keep the timeouts quick:
+head and body read timeouts, header size and count, malformed HTTP, the
+Content-Type, and clients that stop reading their reply."""
 from __future__ import annotations
 
 import asyncio
 import json
+import select
+import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from typing import Any, NamedTuple
 
 import pytest
@@ -19,6 +23,7 @@ from services.http_edge.config import EdgeConfig
 from services.http_edge.server import build_server
 from tests.integration.test_http_edge import (
     BODY,
+    Backend,
     Script,
     backend,
     delta_chunk,
@@ -51,14 +56,20 @@ async def real_edge(chat_port: int, **config: Any) -> AsyncIterator[int]:
         yield port
 
 
-def run(scenario: Callable[[int], Awaitable[None]], script: Script = hello, **config: Any) -> None:
-    """`scenario(port)` against a live edge, on uvloop as in production."""
+def run_with_backend(scenario: Callable[[Backend, int], Awaitable[None]], script: Script = hello,
+                     **config: Any) -> None:
+    """`scenario(chat, port)` against a live edge in front of `chat`, on uvloop as in production."""
     async def main() -> None:
         async with backend(script) as chat, real_edge(chat.port, **config) as port:
-            await asyncio.wait_for(scenario(port), timeout=30)
+            await asyncio.wait_for(scenario(chat, port), timeout=30)
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         runner.run(main())
+
+
+def run(scenario: Callable[[int], Awaitable[None]], script: Script = hello, **config: Any) -> None:
+    """`scenario(port)` against a live edge, on uvloop as in production."""
+    run_with_backend(lambda _chat, port: scenario(port), script, **config)
 
 
 def parse(raw: bytes) -> Reply:
@@ -313,3 +324,89 @@ def test_the_api_key_check_comes_before_the_content_type() -> None:
         assert (await exchange(port, keyed)).status == 415
 
     run(scenario, api_keys=("sk-1",))
+
+
+# -- clients that stop reading -------------------------------------------------
+
+
+async def endless_big_chunks(request: chat_pb2.ChatRequest) -> AsyncIterator[chat_pb2.ChatChunk]:
+    while True:
+        yield delta_chunk(request, "x" * 16384)
+        await asyncio.sleep(0.002)
+
+
+async def one_mib_reply(request: chat_pb2.ChatRequest) -> AsyncIterator[chat_pb2.ChatChunk]:
+    for _ in range(64):
+        yield delta_chunk(request, "x" * 16384)
+    yield final_chunk(request)
+
+
+def stalled_request(port: int, stream: bool) -> socket.socket:
+    """A chat request from a client that never reads its reply."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", port))
+    sock.sendall(post(b"application/json", json.dumps({**BODY, "stream": stream}).encode()))
+    return sock
+
+
+async def until_dropped(sock: socket.socket) -> None:
+    """Return once the server has reset or closed `sock`, seen without reading from it."""
+    poller = select.poll()
+    poller.register(sock, select.POLLRDHUP | select.POLLERR | select.POLLHUP)
+    while not poller.poll(0):
+        await asyncio.sleep(0.05)
+
+
+def read_what_is_left(sock: socket.socket) -> bytes:
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+    received = b""
+    with suppress(ConnectionResetError):
+        while piece := sock.recv(1 << 16):
+            received += piece
+    return received
+
+
+# The edge's buffer is as large as it gets: only the stall timer can end these requests in time.
+STALL = {"stream_stall_timeout_s": 1.0, "stream_buffer_kib": 65536}
+
+
+def test_a_stream_whose_client_stops_reading_is_cancelled_and_reset() -> None:
+    async def scenario(chat: Backend, port: int) -> None:
+        sock = stalled_request(port, stream=True)
+        try:
+            await until_dropped(sock)
+            await chat.fake.cancelled.wait()
+            assert b"data: [DONE]" not in read_what_is_left(sock)
+        finally:
+            sock.close()
+
+    run_with_backend(scenario, endless_big_chunks, **STALL)
+
+
+def test_a_whole_reply_its_client_stops_reading_is_dropped_with_the_connection() -> None:
+    """A non-stream reply is written in one piece, so the app is done with it
+    before the client can fall behind: the stall timer frees the megabyte
+    waiting in the connection."""
+    async def scenario(chat: Backend, port: int) -> None:
+        sock = stalled_request(port, stream=False)
+        try:
+            await until_dropped(sock)
+            reply = parse(read_what_is_left(sock))
+            assert reply.status == 200
+            assert len(reply.body) < int(reply.headers["content-length"])  # cut short
+        finally:
+            sock.close()
+
+    run_with_backend(scenario, one_mib_reply, **STALL)
+
+
+def test_a_stream_that_falls_more_than_its_buffer_behind_is_cancelled() -> None:
+    async def scenario(chat: Backend, port: int) -> None:
+        sock = stalled_request(port, stream=True)
+        try:
+            await chat.fake.cancelled.wait()
+        finally:
+            sock.close()
+
+    run_with_backend(scenario, endless_big_chunks, stream_buffer_kib=16, stream_stall_timeout_s=600.0)

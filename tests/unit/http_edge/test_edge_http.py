@@ -324,6 +324,10 @@ def test_openapi_describes_the_raw_body_routes() -> None:
     assert ok["application/json"]["schema"] == {"$ref": schema("ChatCompletion")}
     assert {"$ref": schema("ChatCompletionChunk")} in ok["text/event-stream"]["schema"]["oneOf"]
     assert post["responses"]["422"]["content"]["application/json"]["schema"] == {"$ref": schema("ErrorBody")}
+    # Every status the edge answers a chat request with, those of its HTTP protocol included.
+    assert set(post["responses"]) == {"200", "400", "401", "408", "413", "415", "422", "424", "431", "500", "503"}
+    for path in doc["paths"].values():
+        assert {"400", "408", "431"} <= set(path["get" if "get" in path else "post"]["responses"])
     models = doc["paths"]["/v1/models"]["get"]["responses"]["200"]["content"]["application/json"]["schema"]
     assert models == {"$ref": schema("ModelList")}
     components = doc["components"]["schemas"]

@@ -297,14 +297,3 @@ def test_system_fingerprint_on_every_chunk_and_the_aggregate() -> None:
     assert builder.result()["system_fingerprint"] == "fp_0123456789"
     # One the backend sends wins.
     assert chunk_json(chunk("a", system_fingerprint="fp_backend"), streamed)["system_fingerprint"] == "fp_backend"
-
-
-def test_system_fingerprint_names_the_build_and_the_model() -> None:
-    from services.http_edge import fingerprint
-
-    one = fingerprint.system_fingerprint("SmolLM2", "/models/a")
-    assert one == fingerprint.system_fingerprint("SmolLM2", "/models/a")
-    assert len(one) == 13 and one.startswith("fp_") and int(one[3:], 16) >= 0
-    assert one != fingerprint.system_fingerprint("SmolLM2", "/models/b")
-    assert one != fingerprint.system_fingerprint("Other", "/models/a")
-    assert fingerprint.stormserve_version() not in ("", "unknown")

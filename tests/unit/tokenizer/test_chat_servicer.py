@@ -1,6 +1,7 @@
 """ChatServicer.Chat over a scripted scheduler: the extra usage-only chunk and
-fullTextEnabled from the config reach the gRPC stream; tools are parsed and a
-forced tool_choice reaches the scheduler as a grammar."""
+fullTextEnabled from the config reach the gRPC stream; every chunk carries the
+system fingerprint; tools are parsed and a forced tool_choice reaches the
+scheduler as a grammar."""
 from __future__ import annotations
 
 import asyncio
@@ -10,6 +11,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from services.common.errors import ServiceError
+from services.common.fingerprint import system_fingerprint
 from services.common.model_files import default_model_path, resolve_model
 from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.server import ChatServicer, TokenizerCore
@@ -87,6 +89,15 @@ def test_include_usage_adds_one_usage_only_chunk_at_the_end(tokenizer):
     assert text_chunks[-1].choices[0].finish_reason == chat_pb2.FINISH_REASON_LENGTH
     assert len(last.choices) == 0 and last.usage.completion_tokens == len(text_chunks)
     assert last.usage.prompt_tokens > 0 and list(last.usage.batch_size) == [1] * len(text_chunks)
+
+
+def test_every_chunk_carries_the_system_fingerprint_of_the_build_and_model(tokenizer):
+    expected = system_fingerprint("m", "/models/m")
+    streamed = chat(tokenizer, ask(stream=True, stream_options={"include_usage": True}))
+    failed = chat_failing(tokenizer, after_tokens=3)
+    assert failed[-1].HasField("error")
+    for chunks in (streamed, chat(tokenizer, ask()), failed):  # the usage-only and the error chunk included
+        assert [c.system_fingerprint for c in chunks] == [expected] * len(chunks)
 
 
 def test_without_stream_options_usage_is_on_the_final_choice_chunk(tokenizer):

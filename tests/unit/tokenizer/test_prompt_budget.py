@@ -1,10 +1,13 @@
 """Chat-template renders under a budget, in render processes that can be
 stopped: request templates refused unless trusted, reserved kwargs refused,
-a runaway render stopped at its time budget without delaying other renders,
-huge outputs refused before tokenizing, a cancelled request's render killed."""
+a runaway render (the model's own template included) stopped at its time
+budget without delaying other renders, huge outputs refused before
+tokenizing, a cancelled request's render killed, a killed process replaced
+before the next job asks for it."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import pytest
@@ -19,11 +22,21 @@ from stormserve.chat.v1 import chat_pb2
 
 RUNAWAY = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}x"
 MESSAGES = [chat_pb2.ChatMessage(role="user", content="hi")]
+# A model template whose work grows with the square of a message's length: instant for
+# "hi", 10^10 loop turns for a 100,000-character message (the edge allows 4 Mi characters).
+QUADRATIC = ("{% for m in messages %}{% for a in m['content'] %}{% for b in m['content'] %}{% endfor %}"
+             "{% endfor %}{{ m['content'] }}{% endfor %}")
+HUGE_MESSAGE = [chat_pb2.ChatMessage(role="user", content="x" * 100_000)]
+HANG_S = 120  # only keeps a render without a budget, or a lane that never starts one, from hanging a test
+
+
+def load_tokenizer():
+    return AutoTokenizer.from_pretrained(resolve_model(default_model_path()))
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return AutoTokenizer.from_pretrained(resolve_model(default_model_path()))
+    return load_tokenizer()
 
 
 @pytest.fixture(scope="module")
@@ -42,14 +55,38 @@ def default(tokenizer):
     builder.close()
 
 
-def render(builder: PromptBuilder, **kwargs):
-    return asyncio.run(builder.render(MESSAGES, [], kwargs))
+@pytest.fixture(scope="module")
+def quadratic():
+    """A server whose model template is QUADRATIC, with one render process."""
+    tokenizer = load_tokenizer()
+    tokenizer.chat_template = QUADRATIC
+    builder = PromptBuilder(TokenizerConfig(template_timeout_s=1.5, render_processes=1), tokenizer,
+                            max_input_tokens=2048)
+    builder.warm_up()
+    yield builder
+    builder.close()
 
 
-def refusal(builder: PromptBuilder, **kwargs) -> ServiceError:
+def render(builder: PromptBuilder, messages: list[chat_pb2.ChatMessage] = MESSAGES, /, **kwargs):
+    return asyncio.run(asyncio.wait_for(builder.render(messages, [], kwargs), HANG_S))
+
+
+def refusal(builder: PromptBuilder, messages: list[chat_pb2.ChatMessage] = MESSAGES, /, **kwargs) -> ServiceError:
     with pytest.raises(ServiceError) as caught:
-        render(builder, **kwargs)
+        render(builder, messages, **kwargs)
     return caught.value
+
+
+def live_processes(lane) -> list:
+    return [p for p in lane._processes if p.is_alive]
+
+
+def eventually_one_live_process(lane):
+    deadline = time.monotonic() + HANG_S
+    while len(live := live_processes(lane)) != 1:
+        assert time.monotonic() < deadline, "no process was started"
+        time.sleep(0.05)
+    return live[0]
 
 
 def test_the_model_template_renders_and_tokenizes(default, tokenizer):
@@ -82,6 +119,25 @@ def test_a_template_that_eats_memory_is_refused(trusting):
     assert error.code == grpc.StatusCode.INVALID_ARGUMENT and "memory" in error.message
 
 
+def test_the_model_template_renders_under_the_same_time_budget(quadratic):
+    assert render(quadratic).text == "hi"
+    error = refusal(quadratic, HUGE_MESSAGE)
+    assert error.code == grpc.StatusCode.INVALID_ARGUMENT and "did not finish within 1.5 s" in error.message
+    assert render(quadratic).text == "hi"
+
+
+def test_a_killed_render_process_is_replaced_before_the_next_job(quadratic):
+    lane = quadratic.model_lane
+    before = eventually_one_live_process(lane)
+    refusal(quadratic, HUGE_MESSAGE)
+    assert not before.is_alive
+    # With no job in sight, its replacement starts; the next job runs on it.
+    replacement = eventually_one_live_process(lane)
+    assert replacement is not before
+    assert render(quadratic).text == "hi"
+    assert live_processes(lane) == [replacement]
+
+
 def test_a_runaway_render_is_stopped_and_the_lane_serves_again(trusting):
     error = refusal(trusting, chat_template=RUNAWAY)
     assert error.code == grpc.StatusCode.INVALID_ARGUMENT and "did not finish within 1.5 s" in error.message
@@ -112,15 +168,16 @@ def test_cancelling_a_request_kills_its_render(trusting):
     lane = trusting.request_lane
     render(trusting, chat_template="started")  # the lane's one process is up before the runaway takes it
 
-    async def scenario() -> None:
+    async def scenario():
         task = asyncio.create_task(trusting.render(MESSAGES, [], {"chat_template": RUNAWAY}))
         await asyncio.sleep(0.5)
-        assert any(p.is_alive for p in lane._processes)
+        (process,) = live_processes(lane)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
+        return process
 
-    asyncio.run(scenario())
+    process = asyncio.run(scenario())
     # Killed at once, long before the 1.5 s budget would have stopped it.
-    assert not any(p.is_alive for p in lane._processes)
+    assert not process.is_alive
     assert render(trusting, chat_template="again").text == "again"

@@ -8,6 +8,10 @@ weights change the fingerprint, so a client that logs it can tell why a
 seeded reply changed. Nothing per process or per request goes in (no start
 time, no pid, no host), so every replica of one build serving one model
 agrees and a restart keeps it. Computed once per model, not per chunk.
+
+The tokenizer sets it on every ChatChunk, so ChatService callers (the edge,
+gRPC clients, Envoy's JSON transcoding) all get it; the edge computes the
+same value from ListModels' id and root for a chunk that comes without one.
 """
 from __future__ import annotations
 

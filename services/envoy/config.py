@@ -56,6 +56,9 @@ class EnvoyConfig:
     envoy_key_file: str = setting("", "server private key (PEM)")
     envoy_client_ca_file: str = setting(
         "", "CA bundle (PEM) for mutual TLS: a client without a certificate from it is refused")
+    envoy_cors_origins: tuple[str, ...] = setting(
+        (), "comma list of origins (https://app.example.com) whose pages may call gRPC-Web (CORS); "
+        "none means no CORS")
 
     def __post_init__(self) -> None:
         _address("edge_address", self.edge_address)
@@ -64,6 +67,10 @@ class EnvoyConfig:
         require(1 <= self.max_request_mib <= 100, f"max_request_mib must be in [1, 100], got {self.max_request_mib}")
         require(self.body_timeout_s > 0, f"body_timeout_s must be > 0, got {self.body_timeout_s}")
         require(self.max_queue_size >= 1, f"max_queue_size must be >= 1, got {self.max_queue_size}")
+        for origin in self.envoy_cors_origins:  # what a browser sends: scheme://host[:port], nothing after
+            scheme, sep, rest = origin.partition("://")
+            require(scheme in ("http", "https") and sep and rest and "/" not in rest,
+                    f"envoy_cors_origins: {origin!r} is not an origin like https://app.example.com")
         require(not (self.envoy_admin_port and self.envoy_admin_path),
                 "envoy_admin_port and envoy_admin_path exclude each other: the admin interface has one address")
         require(bool(self.envoy_cert_file) == bool(self.envoy_key_file),

@@ -38,6 +38,7 @@ def render(config: EnvoyConfig) -> str:
         connect_timeout_s=f"{config.envoy_connect_timeout_s:g}",
         max_concurrent_streams=config.envoy_max_concurrent_streams, max_connections=config.envoy_max_connections,
         upstream_max_requests=UPSTREAM_REQUESTS_PER_QUEUED * config.max_queue_size,
+        cors_origins=config.envoy_cors_origins,
         cert_file=config.envoy_cert_file, key_file=config.envoy_key_file,
         client_ca_file=config.envoy_client_ca_file,
     )
@@ -70,5 +71,6 @@ def as_flags(config: EnvoyConfig) -> list[str]:
     flags = []
     for field in dataclasses.fields(config):
         value = getattr(config, field.name)
-        flags += ["--" + field.name.replace("_", "-"), "" if value is None else str(value)]
+        text = "" if value is None else ",".join(value) if isinstance(value, tuple) else str(value)
+        flags += ["--" + field.name.replace("_", "-"), text]
     return flags

@@ -23,7 +23,8 @@ def configs(ca, server):
     return {
         "plain": EnvoyConfig(),
         "tls": EnvoyConfig(envoy_cert_file=str(server.cert), envoy_key_file=str(server.key),
-                           envoy_admin_path="/tmp/stormserve-envoy/admin.sock"),
+                           envoy_admin_path="/tmp/stormserve-envoy/admin.sock",
+                           envoy_cors_origins=("https://app.example.com",)),
         "mtls": EnvoyConfig(envoy_cert_file=str(server.cert), envoy_key_file=str(server.key),
                             envoy_client_ca_file=str(ca.cert)),
     }
@@ -145,6 +146,27 @@ def test_outlier_detection_ejects_for_failures_to_reach_a_host_only():
         }, name
 
 
+def test_cors_for_grpc_web_only_where_origins_are_named():
+    assert "envoy.filters.http.cors" not in render(EnvoyConfig())
+    config = EnvoyConfig(envoy_cors_origins=("https://app.example.com", "http://localhost:3000"))
+    names = [f["name"] for f in manager(config)["http_filters"]]
+    assert names[0] == "envoy.filters.http.cors" and names[-1] == "envoy.filters.http.router"
+    for prefix, route in routes(config).items():
+        policy = route["typed_per_filter_config"].get("envoy.filters.http.cors")
+        if prefix not in GRPC_PREFIXES:
+            assert policy is None, prefix  # the REST edge and the transcoder have no CORS
+            continue
+        assert policy["allow_origin_string_match"] == [{"exact": "https://app.example.com"},
+                                                       {"exact": "http://localhost:3000"}]
+        assert set(policy["expose_headers"].split(",")) == {"grpc-status", "grpc-message",
+                                                            "grpc-status-details-bin"}
+        assert {"x-grpc-web", "content-type", "grpc-timeout"} <= set(policy["allow_headers"].split(","))
+        assert policy["forward_not_matching_preflights"] is False
+    for origin in ("app.example.com", "https://app.example.com/", "ftp://x"):
+        with pytest.raises(ValueError, match="envoy_cors_origins"):
+            EnvoyConfig(envoy_cors_origins=(origin,))
+
+
 def test_half_tls_is_refused():
     with pytest.raises(ValueError):
         EnvoyConfig(envoy_cert_file="a.pem")
@@ -158,9 +180,10 @@ def test_settings_come_from_the_environment_and_round_trip_as_flags():
     assert load_config(EnvoyConfig, argv=[], environ={}).url == "http://127.0.0.1:8080"
     config = load_config(EnvoyConfig, argv=[], environ={
         "STORMSERVE_ENVOY_PORT": "9090", "STORMSERVE_MAX_REQUEST_MIB": "3", "STORMSERVE_REQUEST_TIMEOUT_S": "",
-        "STORMSERVE_TOKENIZER_ADDRESS": "tok:50061", "STORMSERVE_MAX_QUEUE_SIZE": "50"})
+        "STORMSERVE_TOKENIZER_ADDRESS": "tok:50061", "STORMSERVE_MAX_QUEUE_SIZE": "50",
+        "STORMSERVE_ENVOY_CORS_ORIGINS": "https://a.example, http://b.example:8080"})
     assert (config.envoy_port, config.tokenizer, config.max_request_mib, config.request_timeout_s) == (
         9090, ("tok", 50061), 3, None)
-    assert config.max_queue_size == 50
+    assert (config.max_queue_size, config.envoy_cors_origins) == (50, ("https://a.example", "http://b.example:8080"))
     assert "max_active_downstream_connections: 4096" in render(config)
     assert load_config(EnvoyConfig, argv=as_flags(config), environ={}) == config

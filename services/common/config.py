@@ -31,7 +31,8 @@ def env_name(field_name: str) -> str:
     return ENV_PREFIX + field_name.upper()
 
 
-def _parse_bool(text: str) -> bool:
+def parse_bool(text: str) -> bool:
+    """1/true/yes/on or 0/false/no/off, any case; anything else is an error."""
     value = text.strip().lower()
     if value in ("1", "true", "yes", "on"):
         return True
@@ -51,7 +52,7 @@ def _converter(tp: Any):
         item = _converter(item_type)
         return lambda text: tuple(item(x.strip()) for x in text.split(",") if x.strip())
     if tp is bool:
-        return _parse_bool
+        return parse_bool
     if tp in (int, float, str):
         return tp
     raise TypeError(f"unsupported config type {tp!r}")

@@ -29,12 +29,12 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from services.common.config import env_name, load_config
+from services.common.config import env_name, load_config, parse_bool
 from services.common.drain import DEFAULT_DRAIN_TIMEOUT_S
 from services.common.log import setup_logging
 
@@ -299,6 +299,18 @@ def exit_reason(returncode: int) -> str:
     return f"exited with code {returncode}"
 
 
+def envoy_in_front(environ: Mapping[str, str]) -> EnvoyConfig | None:
+    """Envoy's settings when STORMSERVE_ENVOY turns it on (off by default), from the
+    same environment (STORMSERVE_ENVOY_PORT and the rest; its upstream ports are the
+    chain's); None when it is off."""
+    switch = environ.get("STORMSERVE_ENVOY", "")
+    if not switch.strip() or not parse_bool(switch):
+        return None
+    from services.envoy.config import EnvoyConfig
+
+    return load_config(EnvoyConfig, argv=[], environ=environ)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="Run the stormserve chain locally.")
     parser.add_argument("--host", default=os.environ.get("STORMSERVE_HOST", "127.0.0.1"),
@@ -311,14 +323,9 @@ def main() -> None:
     # Metrics ports next to the edge's: tokenizer +1, scheduler +2, workers +3 on.
     metrics_ports = {"tokenizer": args.port + 1, "scheduler": args.port + 2,
                      **{f"worker{i}": args.port + 3 + i for i in range(args.workers)}}
-    envoy = None
-    if os.environ.get("STORMSERVE_ENVOY", "0").strip().lower() in ("1", "true", "yes", "on"):
-        from services.envoy.config import EnvoyConfig
-
-        envoy = load_config(EnvoyConfig, argv=[])  # STORMSERVE_ENVOY_PORT and the rest; ports are the chain's
     chain = Chain(host=args.host, edge_port=args.port,
                   worker_ports=[50053 + i for i in range(args.workers)], metrics_ports=metrics_ports,
-                  envoy=envoy)
+                  envoy=envoy_in_front(os.environ))
     setup_logging("supervisor")
     supervising = False
     exit_code = 0

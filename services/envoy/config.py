@@ -1,8 +1,9 @@
 """Envoy's typed config: flags and STORMSERVE_* variables like every service's.
 
 Its limits share their names with the edge's settings (`max_request_mib`,
-`request_timeout_s`), so one environment keeps the two consistent: Envoy refuses
-nothing the edge would take and answers first what the edge would refuse."""
+`request_timeout_s`, `body_timeout_s`) and the scheduler's (`max_queue_size`), so
+one environment keeps them consistent: Envoy refuses nothing the chain would take
+and answers first what the edge would refuse."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -40,6 +41,12 @@ class EnvoyConfig:
     request_timeout_s: float | None = setting(
         600.0, "the edge's request deadline; Envoy's route and stream-idle timeouts are 30 s more; "
         "empty means none", alias="e2eTimeout")
+    body_timeout_s: float = setting(
+        30.0, "the edge's: seconds a request body may take to arrive; Envoy gives a whole request "
+        "envoy_header_timeout_s and this")
+    max_queue_size: int = setting(
+        4096, "the scheduler's; Envoy lets twice as many requests (and connections) be in flight to the "
+        "edge, and as many to the tokenizer, before it answers 503 itself")
     envoy_header_timeout_s: float = setting(10.0, "seconds a request head may take to arrive")
     envoy_idle_timeout_s: float = setting(300.0, "seconds a client connection with no stream open stays")
     envoy_connect_timeout_s: float = setting(5.0, "seconds to connect to the edge or the tokenizer")
@@ -49,12 +56,21 @@ class EnvoyConfig:
     envoy_key_file: str = setting("", "server private key (PEM)")
     envoy_client_ca_file: str = setting(
         "", "CA bundle (PEM) for mutual TLS: a client without a certificate from it is refused")
+    envoy_cors_origins: tuple[str, ...] = setting(
+        (), "comma list of origins (https://app.example.com) whose pages may call gRPC-Web (CORS); "
+        "none means no CORS")
 
     def __post_init__(self) -> None:
         _address("edge_address", self.edge_address)
         _address("tokenizer_address", self.tokenizer_address)
         require(0 < self.envoy_port <= 65535, f"envoy_port must be in (0, 65535], got {self.envoy_port}")
         require(1 <= self.max_request_mib <= 100, f"max_request_mib must be in [1, 100], got {self.max_request_mib}")
+        require(self.body_timeout_s > 0, f"body_timeout_s must be > 0, got {self.body_timeout_s}")
+        require(self.max_queue_size >= 1, f"max_queue_size must be >= 1, got {self.max_queue_size}")
+        for origin in self.envoy_cors_origins:  # what a browser sends: scheme://host[:port], nothing after
+            scheme, sep, rest = origin.partition("://")
+            require(scheme in ("http", "https") and sep and rest and "/" not in rest,
+                    f"envoy_cors_origins: {origin!r} is not an origin like https://app.example.com")
         require(not (self.envoy_admin_port and self.envoy_admin_path),
                 "envoy_admin_port and envoy_admin_path exclude each other: the admin interface has one address")
         require(bool(self.envoy_cert_file) == bool(self.envoy_key_file),

@@ -13,6 +13,10 @@ TEMPLATE = ROOT / "deploy" / "envoy" / "envoy.yaml.j2"
 MIB = 1 << 20
 # Envoy's deadlines are the edge's plus this: the edge answers its own timeout first.
 TIMEOUT_MARGIN_S = 30.0
+# Requests (and connections) in flight to each upstream per request the scheduler
+# queues: the scheduler refuses first, and the requests that hold no sequence
+# (model lists, health, one on its way to a refusal) still pass.
+UPSTREAM_REQUESTS_PER_QUEUED = 2
 
 
 def _duration(seconds: float | None) -> str:
@@ -30,8 +34,11 @@ def render(config: EnvoyConfig) -> str:
         max_request_bytes=config.max_request_mib * MIB,
         route_timeout=_duration(config.request_timeout_s), stream_timeout=_duration(config.request_timeout_s),
         header_timeout_s=f"{config.envoy_header_timeout_s:g}", idle_timeout_s=f"{config.envoy_idle_timeout_s:g}",
+        request_timeout_s=f"{config.envoy_header_timeout_s + config.body_timeout_s:g}",
         connect_timeout_s=f"{config.envoy_connect_timeout_s:g}",
         max_concurrent_streams=config.envoy_max_concurrent_streams, max_connections=config.envoy_max_connections,
+        upstream_max_requests=UPSTREAM_REQUESTS_PER_QUEUED * config.max_queue_size,
+        cors_origins=config.envoy_cors_origins,
         cert_file=config.envoy_cert_file, key_file=config.envoy_key_file,
         client_ca_file=config.envoy_client_ca_file,
     )
@@ -64,5 +71,6 @@ def as_flags(config: EnvoyConfig) -> list[str]:
     flags = []
     for field in dataclasses.fields(config):
         value = getattr(config, field.name)
-        flags += ["--" + field.name.replace("_", "-"), "" if value is None else str(value)]
+        text = "" if value is None else ",".join(value) if isinstance(value, tuple) else str(value)
+        flags += ["--" + field.name.replace("_", "-"), text]
     return flags

@@ -47,12 +47,24 @@ def test_the_pod_runs_a_config_envoy_accepts_in_front_of_the_services(tmp_path):
     pod, container, env = envoy_pod(objects)
     assert container["command"] == ["python", "-m", "services.envoy"]
     config = load_config(EnvoyConfig, [], env)
-    # It reaches the edge's and the tokenizers' Services on their ports.
+    # It reaches each pod of the edge and of the tokenizer, through headless Services.
     for address, name in ((config.edge, "edge"), (config.tokenizer, "tokenizer")):
-        service = named(objects, "Service", component(name))
-        assert address == (component(name), service["spec"]["ports"][0]["port"])
-    # Its limits are the edge's, from the same ConfigMap.
-    assert (config.max_request_mib, config.request_timeout_s) == (8, 300.0)
+        host, port = address
+        service = named(objects, "Service", host)
+        assert service["spec"]["clusterIP"] == "None"  # the name resolves to every ready pod
+        assert service["spec"]["selector"] == named(objects, "Service", component(name))["spec"]["selector"]
+        (pod_container,) = named(objects, "Deployment", component(name))["spec"]["template"]["spec"]["containers"]
+        (service_port,) = service["spec"]["ports"]
+        # No Service in between maps ports: Envoy dials the pod's own, the one the policy opens.
+        (opened,) = [p for p in pod_container["ports"] if p["name"] == service_port["targetPort"]]
+        assert port == service_port["port"] == opened["containerPort"]
+        # The ServiceMonitor scrapes ports named http and metrics: not these again.
+        assert service_port["name"] not in ("http", "metrics")
+        # The component's own ClusterIP Service stays for its other callers.
+        assert named(objects, "Service", component(name))["spec"].get("clusterIP") != "None"
+    # Its limits are the edge's and the scheduler's, from the same ConfigMap.
+    assert (config.max_request_mib, config.request_timeout_s, config.max_queue_size) == (8, 300.0, 4096)
+    assert "STORMSERVE_MAX_QUEUE_SIZE" in named(objects, "ConfigMap", f"{RELEASE}-stormserve-config")["data"]
     # TLS files are where the Secrets are mounted.
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
     volumes = {v["name"]: v for v in pod["volumes"]}

@@ -5,7 +5,9 @@ import contextlib
 import time
 
 import grpc
+import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from services.common.supervisor import Chain, free_port
 from stormserve.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
@@ -60,6 +62,31 @@ def wait_until_idle(load, timeout_s: float = 20.0):
     while (now := load()).num_running + now.num_waiting and time.monotonic() < deadline:
         time.sleep(0.2)
     return now
+
+
+def scrape(url: str) -> tuple[dict[str, str], dict[tuple[str, frozenset], float]]:
+    """One /metrics page: each family's type, and each sample's value by (name, labels)."""
+    reply = httpx.get(url, timeout=10)
+    assert reply.status_code == 200, url
+    types, samples = {}, {}
+    for family in text_string_to_metric_families(reply.text):
+        types[family.name] = family.type
+        for s in family.samples:
+            samples[(s.name, frozenset(s.labels.items()))] = s.value
+    return types, samples
+
+
+def total(samples, name: str, **labels) -> float:
+    """Summed over every series of `name` that has `labels` (over engines, as a dashboard would)."""
+    want = set(labels.items())
+    return sum(v for (n, ls), v in samples.items() if n == name and want <= ls)
+
+
+def aborted_requests(chain) -> float:
+    """Sequences the scheduler has ended because their caller went away (or cancelled):
+    what proves a disconnect reached it, where a sequence that ran to its end would not."""
+    samples = scrape(chain.metrics_urls["scheduler"])[1]
+    return total(samples, "vllm:request_success_total", finished_reason="abort")
 
 
 @pytest.fixture(scope="session")

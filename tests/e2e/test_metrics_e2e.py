@@ -9,7 +9,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from services.common.metrics import (
     ITERATION_TOKENS_BUCKETS,
@@ -18,7 +17,7 @@ from services.common.metrics import (
     TTFT_BUCKETS,
     build_1_2_5_buckets,
 )
-from tests.e2e.conftest import MODEL
+from tests.e2e.conftest import MODEL, scrape, total
 
 VLLM_HISTOGRAMS = {
     "vllm:time_to_first_token_seconds": TTFT_BUCKETS,
@@ -32,23 +31,6 @@ VLLM_HISTOGRAMS = {
     "vllm:request_generation_tokens": build_1_2_5_buckets(2560),
     "vllm:iteration_tokens_total": ITERATION_TOKENS_BUCKETS,
 }
-
-
-def scrape(url: str) -> tuple[dict[str, str], dict[tuple[str, frozenset], float]]:
-    reply = httpx.get(url, timeout=10)
-    assert reply.status_code == 200, url
-    types, samples = {}, {}
-    for family in text_string_to_metric_families(reply.text):
-        types[family.name] = family.type
-        for s in family.samples:
-            samples[(s.name, frozenset(s.labels.items()))] = s.value
-    return types, samples
-
-
-def total(samples, name: str, **labels) -> float:
-    """Summed over every series of `name` that has `labels` (over engines, as a dashboard would)."""
-    want = set(labels.items())
-    return sum(v for (n, ls), v in samples.items() if n == name and want <= ls)
 
 
 @pytest.fixture(scope="module")

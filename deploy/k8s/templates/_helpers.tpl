@@ -61,6 +61,15 @@ app.kubernetes.io/component: {{ .component }}
 {{- printf "%s:%d" (include "stormserve.component" .) (index .root.Values.ports .component | int) -}}
 {{- end -}}
 
+{{/* The headless Service through which Envoy reaches each pod of a component (edge, tokenizer). */}}
+{{- define "stormserve.envoyUpstream" -}}
+{{- printf "%s-pods" (include "stormserve.component" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "stormserve.envoyUpstreamAddress" -}}
+{{- printf "%s:%d" (include "stormserve.envoyUpstream" .) (index .root.Values.ports .component | int) -}}
+{{- end -}}
+
 {{/* One component's drain timeout in seconds. */}}
 {{- define "stormserve.drainTimeout" -}}
 {{- $c := index .root.Values .component -}}

@@ -219,3 +219,22 @@ def test_a_stop_during_a_restart_waits_for_it_and_stops_the_new_process(chain, m
     assert not healer.is_alive() and not stopper.is_alive()
     assert chain.procs["service"].poll() is not None  # the process the restart started was stopped too
     assert chain.heal() == []
+
+
+@pytest.mark.parametrize("value", [None, "", "0", "off", "false", "No"])
+def test_envoy_stays_out_unless_turned_on(value):
+    environ = {"STORMSERVE_ENVOY_PORT": "9099"} | ({} if value is None else {"STORMSERVE_ENVOY": value})
+    assert supervisor.envoy_in_front(environ) is None
+
+
+@pytest.mark.parametrize("value", ["1", "true", "ON", " yes "])
+def test_envoy_in_front_takes_its_settings_from_the_environment(value):
+    envoy = supervisor.envoy_in_front({"STORMSERVE_ENVOY": value, "STORMSERVE_ENVOY_PORT": "9099",
+                                       "STORMSERVE_MAX_REQUEST_MIB": "3"})
+    assert (envoy.envoy_port, envoy.max_request_mib) == (9099, 3)
+    assert supervisor.envoy_in_front({"STORMSERVE_ENVOY": "1"}).envoy_port == 8080
+
+
+def test_a_misspelt_envoy_switch_is_an_error_not_off():
+    with pytest.raises(ValueError, match="not a boolean"):
+        supervisor.envoy_in_front({"STORMSERVE_ENVOY": "yess"})

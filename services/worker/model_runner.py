@@ -287,13 +287,13 @@ class ModelRunner:
         for seq_id in release_seq_ids:
             self.release(seq_id)
         inputs = [self._resolve_last_sampled(s) for s in inputs]
-        if self.tensor_parallel is not None:
-            self._validate(inputs)  # a step refused here never reaches the other ranks
+        self._admit(inputs)
+        if self.tensor_parallel is not None:  # admitted: a step refused above never reaches the other ranks
             self.tensor_parallel.lead(inputs, block_copies)
         self.kv_pool.copy_blocks(list(block_copies))
         tokens: list[SampledToken] = []
         if inputs:
-            logits = self.forward(inputs)
+            logits = self._forward_admitted(inputs)
             sampling_inputs = [s for s in inputs if s.sample]
             if sampling_inputs:
                 tokens = self._sample(logits, sampling_inputs)
@@ -317,10 +317,17 @@ class ModelRunner:
 
         Returns logits [num inputs with sample=True, vocab] in input order.
         """
+        self._admit(inputs)
+        return self._forward_admitted(inputs)
+
+    def _admit(self, inputs: list[SequenceInput]) -> None:
+        """Validate the step and set up its new sequences (compiling their
+        grammars), all or nothing: what can refuse a step happens here."""
         self._validate(inputs)
-        for s in inputs:
-            if s.seq_id not in self.sequences:
-                self.sequences[s.seq_id] = self._new_state(s)
+        new = {s.seq_id: self._new_state(s) for s in inputs if s.seq_id not in self.sequences}
+        self.sequences.update(new)
+
+    def _forward_admitted(self, inputs: list[SequenceInput]) -> torch.Tensor:
         logits = self._run_model(inputs)
         for s in inputs:
             state = self.sequences[s.seq_id]

@@ -16,9 +16,11 @@ import torch
 from transformers import AutoModelForCausalLM, GemmaConfig, GPT2Config, LlamaConfig, Qwen3Config
 
 from services.common.config import load_config
+from services.common.errors import ServiceError
 from services.worker.config import WorkerConfig
 from services.worker.decoder import LeanDecoder
 from services.worker.follower import build_runner
+from services.worker.guided import GrammarSpec
 from services.worker.model_runner import ModelRunner
 from services.worker.parallel import TensorParallel, balanced_range
 from services.worker.platforms import select_platform
@@ -146,3 +148,25 @@ def test_fewer_kv_heads_than_ranks_is_refused(model_dir):
     with pytest.raises(ValueError, match="3 cannot go to 4 ranks"):
         ModelRunner(model_dir, select_platform("cpu"), "float32", block_size=4, kv_cache_bytes=2**20,
                     max_batch_size=2, tensor_parallel=_Unjoined(4))
+
+
+def test_a_step_refused_for_its_grammar_never_reaches_the_other_ranks(runner, monkeypatch):
+    """A grammar compiles when its sequence first runs: a step refused for one
+    must be refused before rank 0 sends it, or the followers would run a
+    forward rank 0 dropped and pair its collectives with the next step's."""
+    led: list[list[int]] = []
+
+    class Recorder:
+        def lead(self, inputs, block_copies):
+            led.append([s.seq_id for s in inputs])
+
+    monkeypatch.setattr(runner, "tensor_parallel", Recorder())
+    tables = BlockTables(runner)
+    free = SamplingParams(temperature=0.0)
+    broken = SamplingParams(temperature=0.0, grammar=GrammarSpec("json_schema", "{not json"))
+    with pytest.raises(ServiceError, match="seq 2"):
+        runner.step([tables.feed(1, [1, 2, 3], 0, True, free), tables.feed(2, [4, 5], 0, True, broken)])
+    assert led == [] and 1 not in runner.sequences  # all or nothing
+    runner.step([tables.feed(1, [1, 2, 3], 0, True, free)])
+    assert led == [[1]]
+    runner.step([], release_seq_ids=[1])

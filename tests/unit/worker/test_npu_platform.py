@@ -37,6 +37,15 @@ def npu_platform():
         del torch.npu
 
 
+def test_without_torch_npu_npu_is_refused_and_auto_is_cpu(monkeypatch):
+    from services.worker.platforms import select_platform
+
+    monkeypatch.setitem(sys.modules, "torch_npu", None)  # import torch_npu raises ImportError
+    with pytest.raises(RuntimeError, match="device=npu requested but torch_npu"):
+        select_platform("npu")
+    assert select_platform("auto").name == "cpu"  # no CUDA in this torch build either
+
+
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"), [(9, 3, 64, 128), (4, 4, 32, 256)])
 @pytest.mark.parametrize("window", [None, 5, 40])
 @pytest.mark.parametrize("decode_only", [False, True])

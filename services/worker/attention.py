@@ -153,20 +153,26 @@ def build_paged_step(
     decode = None
     decode_seqs = (new == 1).nonzero().flatten()
     if len(decode_seqs):
-        lengths = context[decode_seqs]
-        key_positions = torch.arange(int(lengths.max()))[None, :]
-        # Padding reuses each sequence's last real slot: it was written, so it holds
-        # finite values (masked-out NaN garbage would still poison softmax @ V).
-        padded_positions = torch.minimum(key_positions, lengths[:, None] - 1)
-        rows_tables = tables[decode_seqs][:, None, :].expand(-1, key_positions.shape[1], -1)
-        decode = DecodeBatch(
-            rows=starts[decode_seqs].to(device),
-            context_slots=_slots(rows_tables, padded_positions, block_size).to(device),
-            key_positions=key_positions.to(device),
-            query_positions=(lengths - 1)[:, None].to(device),
-            mask=(key_positions < lengths[:, None])[:, None, None, :].to(device),
-        )
+        decode = decode_batch(tables[decode_seqs], starts[decode_seqs], context[decode_seqs], block_size, device)
     return PagedStep(pool, positions.to(device), slot_mapping.to(device), None, None, tuple(prefills), decode)
+
+
+def decode_batch(tables: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor, block_size: int,
+                 device: torch.device) -> DecodeBatch:
+    """The SDPA layout of sequences with one new token each: their block
+    tables [B, max_blocks], packed rows [B] and context lengths [B]."""
+    key_positions = torch.arange(int(lengths.max()))[None, :]
+    # Padding reuses each sequence's last real slot: it was written, so it holds
+    # finite values (masked-out NaN garbage would still poison softmax @ V).
+    padded_positions = torch.minimum(key_positions, lengths[:, None] - 1)
+    rows_tables = tables[:, None, :].expand(-1, key_positions.shape[1], -1)
+    return DecodeBatch(
+        rows=rows.to(device),
+        context_slots=_slots(rows_tables, padded_positions, block_size).to(device),
+        key_positions=key_positions.to(device),
+        query_positions=(lengths - 1)[:, None].to(device),
+        mask=(key_positions < lengths[:, None])[:, None, None, :].to(device),
+    )
 
 
 def _slots(tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -225,7 +231,7 @@ def paged_attention(
     out = query.new_empty(query.shape)
     if step.decode is not None:
         d = step.decode
-        o = _decode_sdpa(query.index_select(0, d.rows), key_cache, value_cache, d, scaling, sliding_window)
+        o = decode_sdpa(query.index_select(0, d.rows), key_cache, value_cache, d, scaling, sliding_window)
         out.index_copy_(0, d.rows, o)
     for chunk in step.prefills:
         q = query[chunk.start : chunk.end].transpose(0, 1)[None]  # [1, heads, n, dim]
@@ -243,7 +249,7 @@ def paged_attention(
     return out
 
 
-def _decode_sdpa(
+def decode_sdpa(
     query: torch.Tensor,  # [B, heads, head_dim]
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,

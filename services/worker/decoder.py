@@ -141,7 +141,8 @@ class LeanDecoder:
 
     def __call__(self, input_ids: torch.Tensor, step: PagedStep, logit_rows: torch.Tensor) -> torch.Tensor:
         """input_ids [T] packed as `step` lays them out; logits [len(logit_rows), vocab]."""
-        x = self.embed[input_ids] if self.tp is None else self.tp.embed(self.embed, input_ids)  # [T, hidden]
+        x = (self.embed[input_ids] if self.tp is None  # [T, hidden]
+             else self.tp.embed(self.embed.__getitem__, self.embed.shape[0], input_ids))
         cos, sin = self.rotary(step.positions, x.dtype)  # [T, head_dim]
         ops = self.ops
         num_q = self.num_heads * self.head_dim

@@ -131,7 +131,7 @@ def _return_freed_memory() -> None:
         pass
 
 
-def _load_hf_model(model_dir: Path, dtype: torch.dtype, backend: Platform) -> torch.nn.Module:
+def _load_hf_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
     """The model through transformers, paged attention plugged in: other
     families, and checkpoints without safetensors files."""
     from transformers import AutoModelForCausalLM
@@ -140,7 +140,7 @@ def _load_hf_model(model_dir: Path, dtype: torch.dtype, backend: Platform) -> to
     hf_logging.disable_progress_bar()
     # device_map loads weights straight onto the device (no full CPU copy first).
     return AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=dtype, attn_implementation=attention.register(), device_map=str(backend.device)
+        model_dir, dtype=dtype, attn_implementation=attention.register(), device_map=str(device)
     ).eval()
 
 
@@ -194,8 +194,13 @@ class ModelRunner:
         text_config = self.config.get_text_config()
         architecture = (getattr(self.config, "architectures", None) or [self.config.model_type])[0]
         lean = LeanDecoder.supports(self.config)
-        if tensor_parallel is not None and not lean:
-            raise ValueError(f"tensor parallelism runs the lean Llama-family path only, not {architecture}")
+        num_heads = text_config.num_attention_heads
+        num_kv_heads = getattr(text_config, "num_key_value_heads", None) or num_heads
+        if tensor_parallel is not None:  # this rank's heads (ValueError with fewer KV heads than ranks)
+            if has_vision_tower(self.config):
+                raise ValueError(f"tensor parallelism does not split vision-language models ({architecture})")
+            shard = tensor_parallel.head_shard(num_heads, num_kv_heads)
+            num_heads, num_kv_heads = shard.num_heads, shard.num_kv_heads
         self.tensor_parallel = tensor_parallel
         with torch.inference_mode():
             if has_vision_tower(self.config):
@@ -204,21 +209,24 @@ class ModelRunner:
             elif lean and Checkpoint.available(model_dir):
                 self.decoder = LeanDecoder(self.config, Checkpoint(model_dir, dtype_t, backend.device), backend,
                                            tensor_parallel)
-            else:
-                model = _load_hf_model(model_dir, dtype_t, backend)
-                self.decoder = (LeanDecoder(self.config, model.state_dict(), backend, tensor_parallel) if lean
-                                else _hf_decoder(model))
+            elif lean:  # a checkpoint without safetensors files
+                model = _load_hf_model(model_dir, dtype_t, backend.device)
+                self.decoder = LeanDecoder(self.config, model.state_dict(), backend, tensor_parallel)
                 del model  # the lean decoder holds every weight it needs; the HF modules go
+            elif tensor_parallel is not None:  # the whole model on the host, this rank's shard on its device
+                model = _load_hf_model(model_dir, dtype_t, torch.device("cpu"))
+                tensor_parallel.shard_module(model, text_config)
+                self.decoder = _hf_decoder(model.to(backend.device))
+            else:
+                self.decoder = _hf_decoder(_load_hf_model(model_dir, dtype_t, backend.device))
         self.generation_config = _generation_config(model_dir, self.config)
         self.vocab_size: int = int(text_config.vocab_size)
         self.max_position_embeddings: int = getattr(text_config, "max_position_embeddings", None) or 0
         _return_freed_memory()  # conversion copies, before the pool takes its share
         with torch.inference_mode():
-            spec = KVCacheSpec.from_model_config(self.config, block_size, dtype_t)
-            num_heads = text_config.num_attention_heads
-            if tensor_parallel is not None:  # this rank's heads and their share of the pool
-                num_heads, num_kv_heads = self.decoder.num_heads, self.decoder.num_kv_heads
-                spec = dataclasses.replace(spec, num_kv_heads=num_kv_heads)
+            # Per rank of a group: its KV heads' share of the pool.
+            spec = dataclasses.replace(KVCacheSpec.from_model_config(self.config, block_size, dtype_t),
+                                       num_kv_heads=num_kv_heads)
             if kv_cache_bytes == 0:
                 if self.max_position_embeddings:
                     max_seq_len = min(max_seq_len, self.max_position_embeddings)
@@ -227,7 +235,7 @@ class ModelRunner:
             if tensor_parallel is not None:  # one block id means the same tokens on every rank
                 num_blocks = tensor_parallel.min_over_ranks(num_blocks)
             self.kv_pool = KVCachePool(spec, num_blocks, backend.device)
-        self.attention_kernel = backend.paged_attention(dtype_t, num_heads, spec.num_kv_heads, spec.head_dim,
+        self.attention_kernel = backend.paged_attention(dtype_t, num_heads, num_kv_heads, spec.head_dim,
                                                         block_size)
         self.block_size = block_size
         self.sequences: dict[int, SequenceState] = {}
@@ -279,13 +287,13 @@ class ModelRunner:
         for seq_id in release_seq_ids:
             self.release(seq_id)
         inputs = [self._resolve_last_sampled(s) for s in inputs]
-        if self.tensor_parallel is not None:
-            self._validate(inputs)  # a step refused here never reaches the other ranks
+        self._admit(inputs)
+        if self.tensor_parallel is not None:  # admitted: a step refused above never reaches the other ranks
             self.tensor_parallel.lead(inputs, block_copies)
         self.kv_pool.copy_blocks(list(block_copies))
         tokens: list[SampledToken] = []
         if inputs:
-            logits = self.forward(inputs)
+            logits = self._forward_admitted(inputs)
             sampling_inputs = [s for s in inputs if s.sample]
             if sampling_inputs:
                 tokens = self._sample(logits, sampling_inputs)
@@ -309,10 +317,17 @@ class ModelRunner:
 
         Returns logits [num inputs with sample=True, vocab] in input order.
         """
+        self._admit(inputs)
+        return self._forward_admitted(inputs)
+
+    def _admit(self, inputs: list[SequenceInput]) -> None:
+        """Validate the step and set up its new sequences (compiling their
+        grammars), all or nothing: what can refuse a step happens here."""
         self._validate(inputs)
-        for s in inputs:
-            if s.seq_id not in self.sequences:
-                self.sequences[s.seq_id] = self._new_state(s)
+        new = {s.seq_id: self._new_state(s) for s in inputs if s.seq_id not in self.sequences}
+        self.sequences.update(new)
+
+    def _forward_admitted(self, inputs: list[SequenceInput]) -> torch.Tensor:
         logits = self._run_model(inputs)
         for s in inputs:
             state = self.sequences[s.seq_id]

@@ -15,6 +15,12 @@ forward on its shard of the model, in lockstep:
   of the rows (zero-padded to equal slices); lookups outside it give zeros and
   one all-reduce completes the hidden states; one all-gather the logits.
 
+The lean Llama-family decoder reads its shard through ShardedWeights; any
+other HF model whose tensors follow the same names (q/k/v/o_proj,
+gate/up/down_proj, embed_tokens, lm_head, norms) runs its own modules with
+their parameters swapped for the same shards (TensorParallel.shard_module).
+A model with a tensor outside those rules is refused at start.
+
 Steps travel over a plain socket per follower (multiprocessing.connection),
 not a torch.distributed broadcast: a follower waits for the next step as long
 as the worker is idle, which a collective's timeout would not allow. Tensors
@@ -37,7 +43,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Client, Connection, Listener
@@ -218,6 +224,30 @@ class TensorParallel:
     def shard_weights(self, weights: Mapping[str, torch.Tensor], config) -> ShardedWeights:
         return ShardedWeights(weights, self, config)
 
+    def shard_module(self, model: torch.nn.Module, config) -> None:
+        """An HF model's own modules made this rank's shard, in place: every
+        parameter replaced by its ShardedWeights slice (the lean path's split),
+        an all-reduce after each row-parallel projection, the embedding and
+        lm_head vocabulary-parallel. Attention modules that size their heads
+        from the projections' outputs (transformers' Llama-style ones) then
+        run this rank's heads. ValueError, before anything changes, for a
+        parameter ShardedWeights has no rule for."""
+        parameters = dict(model.named_parameters())  # a tied lm_head is the embedding's parameter
+        weights = ShardedWeights(parameters, self, config)
+        shards = {name: weights.get(name) for name in parameters}
+        for name, shard in shards.items():
+            module_name, _, attribute = name.rpartition(".")
+            if shard is None:  # a bias rank 0 alone adds
+                setattr(model.get_submodule(module_name), attribute, None)
+            else:
+                parameters[name].data = shard
+        for name, module in model.named_modules():
+            if name.rpartition(".")[2] in ROW_PARALLEL:
+                module.register_forward_hook(lambda _module, _args, partial: self.all_reduce(partial))
+        model.set_input_embeddings(_VocabParallelEmbedding(model.get_input_embeddings(), self))
+        model.get_output_embeddings().register_forward_hook(
+            lambda _module, _args, logits: self.gather_vocab(logits, config.vocab_size))
+
     # --- collectives ----------------------------------------------------------
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -234,13 +264,14 @@ class TensorParallel:
 
         return forward
 
-    def embed(self, table: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        """Vocabulary-parallel lookup: this rank's rows, zeros elsewhere, summed."""
-        start = self.rank * table.shape[0]
-        local = input_ids - start
-        mine = (local >= 0) & (local < table.shape[0])
-        x = table[local.clamp(0, table.shape[0] - 1)] * mine[:, None].to(table.dtype)
-        return self.all_reduce(x)
+    def embed(self, lookup: Callable[[torch.Tensor], torch.Tensor], num_rows: int,
+              input_ids: torch.Tensor) -> torch.Tensor:
+        """Vocabulary-parallel lookup: `lookup` of this rank's `num_rows` rows
+        (a table's, or an HF embedding module's), zeros elsewhere, summed."""
+        local = input_ids - self.rank * num_rows
+        mine = (local >= 0) & (local < num_rows)
+        x = lookup(local.clamp(0, num_rows - 1))
+        return self.all_reduce(x * mine.unsqueeze(-1).to(x.dtype))
 
     def gather_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """Every rank's slice of the logits, side by side, padding dropped."""
@@ -254,16 +285,27 @@ class TensorParallel:
         return int(t.item())
 
 
+# Row-parallel projections: their outputs are partial sums, one all-reduce each.
+ROW_PARALLEL = ("o_proj", "down_proj")
+
+
 class ShardedWeights(Mapping):
-    """A checkpoint's tensors as this rank holds them (see the module doc)."""
+    """A checkpoint's tensors as this rank holds them (see the module doc).
+    ValueError for a tensor it has no rule for, or whose split dimension is
+    not the size the config gives: a model that does not follow the Llama
+    layout is refused, never split wrongly."""
 
     def __init__(self, weights: Mapping[str, torch.Tensor], group: TensorParallel, config):
         self._weights, self._group = weights, group
         num_heads = config.num_attention_heads
-        num_kv_heads = config.num_key_value_heads or num_heads
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+        self._hidden_size = config.hidden_size
         self._head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        intermediate_size = getattr(config, "intermediate_size", None) or 0  # 0: no gate/up/down MLP
+        self._sizes = {"q": num_heads * self._head_dim, "kv": num_kv_heads * self._head_dim,
+                       "mlp": intermediate_size, "vocab": config.vocab_size}
         self.heads = group.head_shard(num_heads, num_kv_heads)
-        self.mlp_rows = group.rows(config.intermediate_size)
+        self.mlp_rows = group.rows(intermediate_size)
         self.vocab_rows = group.vocab_rows(config.vocab_size)
 
     def __iter__(self):
@@ -286,25 +328,47 @@ class ShardedWeights(Mapping):
         heads, dim = self.heads, self._head_dim
         q_rows = (heads.first_head * dim, (heads.first_head + heads.num_heads) * dim)
         kv_rows = (heads.first_kv_head * dim, (heads.first_kv_head + heads.num_kv_heads) * dim)
-        if name.endswith(("q_proj.weight", "q_proj.bias")):
-            return _slice(tensor, 0, q_rows)
-        if name.endswith(("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")):
-            return _slice(tensor, 0, kv_rows)
-        if name.endswith("o_proj.weight"):
-            return _slice(tensor, 1, q_rows)
-        if name.endswith(("o_proj.bias", "down_proj.bias")):
-            return tensor if self._group.rank == 0 else None  # added once
-        if name.endswith(("gate_proj.weight", "up_proj.weight")):
-            return _slice(tensor, 0, self.mlp_rows)
-        if name.endswith("down_proj.weight"):
-            return _slice(tensor, 1, self.mlp_rows)
-        if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+        module, kind = name.rsplit(".", 2)[-2:]
+        if module == "q_proj":
+            return self._slice(name, tensor, 0, q_rows, "q")
+        if module in ("k_proj", "v_proj"):
+            return self._slice(name, tensor, 0, kv_rows, "kv")
+        if module in ("gate_proj", "up_proj"):
+            return self._slice(name, tensor, 0, self.mlp_rows, "mlp")
+        if module in ROW_PARALLEL and kind == "weight":
+            return self._slice(name, tensor, 1, q_rows if module == "o_proj" else self.mlp_rows,
+                               "q" if module == "o_proj" else "mlp")
+        if module in ROW_PARALLEL:  # a bias: added once
+            return tensor if self._group.rank == 0 else None
+        if module in ("embed_tokens", "lm_head") and kind == "weight":
+            self._check(name, tensor, 0, "vocab")
             start, end = self.vocab_rows
             rows = tensor[start:end]
             padding = (end - start) - rows.shape[0]
             return torch.cat([rows, rows.new_zeros(padding, rows.shape[1])]) if padding else rows.clone()
-        return tensor  # norms: every rank holds them whole
+        # Norms, every rank holds them whole: over the hidden size, or per head (Qwen3's q/k norms).
+        size = dim if module in ("q_norm", "k_norm") else self._hidden_size
+        if "norm" in module and tensor.dim() == 1 and tensor.shape[0] == size:
+            return tensor
+        raise ValueError(f"tensor parallelism cannot split {name} {tuple(tensor.shape)}: it splits "
+                         "q/k/v_proj, o_proj, gate/up/down_proj, embed_tokens and lm_head, and copies norms")
+
+    def _check(self, name: str, tensor: torch.Tensor, dim: int, size: str) -> None:
+        if tensor.dim() <= dim or tensor.shape[dim] != self._sizes[size]:
+            raise ValueError(f"tensor parallelism cannot split {name} {tuple(tensor.shape)}: "
+                             f"dimension {dim} is not the config's {self._sizes[size]}")
+
+    def _slice(self, name: str, tensor: torch.Tensor, dim: int, rows: tuple[int, int], size: str) -> torch.Tensor:
+        self._check(name, tensor, dim, size)
+        return tensor.narrow(dim, rows[0], rows[1] - rows[0]).clone()
 
 
-def _slice(tensor: torch.Tensor, dim: int, rows: tuple[int, int]) -> torch.Tensor:
-    return tensor.narrow(dim, rows[0], rows[1] - rows[0]).clone()
+class _VocabParallelEmbedding(torch.nn.Module):
+    """An HF embedding module over this rank's vocabulary rows (TensorParallel.embed)."""
+
+    def __init__(self, embedding: torch.nn.Module, group: TensorParallel):
+        super().__init__()
+        self.embedding, self._group = embedding, group
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self._group.embed(self.embedding, self.embedding.weight.shape[0], input_ids)

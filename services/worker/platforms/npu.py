@@ -4,7 +4,9 @@
 - KV write: npu_scatter_pa_kv_cache(key=, value=, key_cache=, value_cache=,
   slot_mapping=, cache_mode="Norm") into caches viewed as (num_blocks,
   block_size, kv_heads, head_dim); "Norm" because the op's default, PA_NZ,
-  is a different (fractal) layout.
+  is a different (fractal) layout. cache_mode came with torch_npu 26.0.0
+  (op-plugin's schema); before it the op writes PA_NZ only, so with an older
+  torch_npu the K/V are written by slot in torch (index_copy_) instead.
 - Attention, prefill chunks and decodes in one call:
   npu_fused_infer_attention_score with input_layout="TND" (query [T, heads,
   head_dim]), K/V as (num_blocks, block_size, kv_heads * head_dim) with the
@@ -12,7 +14,11 @@
   actual_seq_lengths_kv = each context length, and sparse_mode=3 (causal,
   aligned to the bottom right of every sequence's [new, context] block) with
   the 2048 x 2048 int8 upper-triangular mask that mode takes. A sliding window
-  is sparse_mode=4 (a band of pre_tokens before and next_tokens after).
+  is sparse_mode=4 (a band of pre_tokens before and next_tokens after). A
+  step of one new token per sequence runs the op's decode branch, where
+  sparse_mode, pre_tokens and next_tokens are documented as invalid (the
+  band would be dropped): its windowed layers attend through attention.py's
+  SDPA over the window instead.
   The fused paged path takes block sizes of 128 to 512, multiples of 128, and
   float16 / bfloat16; other pools attend through attention.py's SDPA path.
 - npu_rms_norm, npu_swiglu (silu of the first half times the second), and
@@ -25,6 +31,7 @@ and the bundled model must give the CPU platform's logits through this file.
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 from dataclasses import dataclass
@@ -32,7 +39,7 @@ from typing import ClassVar
 
 import torch
 
-from services.worker.attention import StepSequences
+from services.worker.attention import DecodeBatch, StepSequences, decode_batch, decode_sdpa, write_kv_by_slot
 from services.worker.platforms.base import Platform
 
 log = logging.getLogger(__name__)
@@ -58,19 +65,41 @@ def npu_available() -> bool:
     return bool(npu is not None and npu.is_available())
 
 
-@dataclass(frozen=True)
+def takes_cache_mode(scatter_op) -> bool:
+    """Whether npu_scatter_pa_kv_cache (torch.ops.npu's, with its schema) has cache_mode."""
+    return any(argument.name == "cache_mode" for argument in scatter_op.default._schema.arguments)
+
+
+@dataclass
 class NpuStepInputs:
     block_table: torch.Tensor  # [S, max_blocks] int32 on the device
     actual_seq_lengths: list[int]  # cumulative query ends, TND's convention
     actual_seq_lengths_kv: list[int]  # each sequence's context, new tokens included
+    sequences: StepSequences  # on the host
+    block_size: int
+    device: torch.device
+
+    @property
+    def decode_only(self) -> bool:
+        return int(self.sequences.num_new.max()) == 1
+
+    @functools.cached_property
+    def decode(self) -> DecodeBatch:
+        """A decode-only step as attention.py's SDPA path lays it out, built
+        once per step where a windowed layer needs it."""
+        s = self.sequences
+        return decode_batch(s.block_tables, s.starts, s.context_lens, self.block_size, self.device)
 
 
 class NpuAttention:
     def __init__(self, torch_npu, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                 device: torch.device):
+                 device: torch.device, scatter_cache_mode: bool):
+        """`scatter_cache_mode`: whether this torch_npu's npu_scatter_pa_kv_cache
+        takes cache_mode (takes_cache_mode); without it K/V are written by slot."""
         self._npu = torch_npu
         self._num_heads, self._num_kv_heads, self._head_dim = num_heads, num_kv_heads, head_dim
         self._block_size = block_size
+        self._scatter = scatter_cache_mode
         # 1 = masked: the strict upper triangle.
         self._mask = torch.triu(torch.ones(MASK_SIZE, MASK_SIZE, dtype=torch.int8, device=device), diagonal=1)
 
@@ -79,6 +108,9 @@ class NpuAttention:
             block_table=sequences.block_tables.to(device=device, dtype=torch.int32),
             actual_seq_lengths=torch.cumsum(sequences.num_new, 0).tolist(),
             actual_seq_lengths_kv=sequences.context_lens.tolist(),
+            sequences=sequences,
+            block_size=self._block_size,
+            device=device,
         )
 
     def _blocks(self, cache: torch.Tensor) -> torch.Tensor:
@@ -86,6 +118,9 @@ class NpuAttention:
 
     def write_kv(self, key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
+        if not self._scatter:
+            write_kv_by_slot(key_cache, value_cache, key, value, slot_mapping)
+            return
         self._npu.npu_scatter_pa_kv_cache(
             key=key.contiguous(), value=value.contiguous(),
             key_cache=self._blocks(key_cache), value_cache=self._blocks(value_cache),
@@ -94,6 +129,8 @@ class NpuAttention:
 
     def __call__(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                  inputs: NpuStepInputs, block_size: int, scale: float, sliding_window: int | None) -> torch.Tensor:
+        if sliding_window is not None and inputs.decode_only:  # the decode branch would drop the band
+            return decode_sdpa(query, key_cache, value_cache, inputs.decode, scale, sliding_window)
         band = {} if sliding_window is None else {
             "sparse_mode": BAND, "pre_tokens": sliding_window - 1, "next_tokens": 0}
         out, _ = self._npu.npu_fused_infer_attention_score(
@@ -136,6 +173,10 @@ class NpuPlatform(Platform):
     def __init__(self, device: torch.device):
         super().__init__(device)
         self._npu = import_torch_npu()
+        self._scatter_cache_mode = takes_cache_mode(torch.ops.npu.npu_scatter_pa_kv_cache)
+        if not self._scatter_cache_mode:
+            log.warning("torch_npu's npu_scatter_pa_kv_cache has no cache_mode (torch_npu before 26.0.0) and "
+                        "writes the PA_NZ layout only: K/V are written by slot in torch")
 
     def synchronize(self) -> None:
         torch.npu.synchronize(self.device)  # type: ignore[attr-defined]
@@ -155,4 +196,5 @@ class NpuPlatform(Platform):
             log.warning("the fused NPU attention takes %s pools with blocks of 128 to 512 tokens (multiples of "
                         "128); %s with %d-token blocks attends through SDPA", FUSED_DTYPES, dtype, block_size)
             return None
-        return NpuAttention(self._npu, num_heads, num_kv_heads, head_dim, block_size, self.device)
+        return NpuAttention(self._npu, num_heads, num_kv_heads, head_dim, block_size, self.device,
+                            self._scatter_cache_mode)

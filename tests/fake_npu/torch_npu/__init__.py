@@ -1,15 +1,22 @@
 """A torch_npu for tests on CPU: each op the worker's NPU platform calls
-(services/worker/platforms/npu.py), as a reference implementation with the
-real op's signature, keyword names, layouts and result tuple, that refuses
-what the real op would not take the way our code could get wrong (a layout,
-a cache mode, an index dtype, a mask). Never a model of speed or of the
-kernels' rounding: it computes in float32 and rounds once.
+(services/worker/platforms/npu.py), registered with torch's dispatcher as
+torch.ops.npu.<op> under the real op's schema (copied from op-plugin's
+op_plugin/config/op_plugin_functions.yaml, the schemas of torch_npu 26.0.0
+and later), so a wrong keyword name, a missing argument or one passed the
+wrong way fails here as it would on the device. Each is a reference
+implementation with the real op's layouts and result tuple, refusing what
+the real op would not take the way our code could get wrong (a layout, a
+cache mode, an index dtype, a mask), and modelling what the real op's
+documentation says it ignores. Never a model of speed or of the kernels'
+rounding: it computes in float32 and rounds once.
 
 Importing it also installs `torch.npu` (the device namespace torch_npu
 registers) as far as the platform uses it. Tensors stay on the CPU, and
 torch.npu.is_available() is False: no device is there, and transformers'
 own NPU integrations (which this module does not model) stay off; tests
-build the NPU platform directly.
+build the NPU platform directly. The ops stay registered for the rest of
+the process: import it once (a second import after removing it from
+sys.modules would register them twice).
 """
 from __future__ import annotations
 
@@ -20,20 +27,54 @@ import torch.nn.functional as F
 
 _INT32_MAX = 2147483647
 
+SCHEMAS = {
+    "npu_scatter_pa_kv_cache": (
+        "npu_scatter_pa_kv_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+        "Tensor slot_mapping, *, Tensor? compress_lens=None, Tensor? compress_seq_offsets=None, Tensor? "
+        "seq_lens=None, str? cache_mode='PA_NZ') -> ()"
+    ),
+    "npu_fused_infer_attention_score": (
+        "npu_fused_infer_attention_score(Tensor query, Tensor key, Tensor value, *, Tensor? pse_shift=None, "
+        "Tensor? atten_mask=None, SymInt[]? actual_seq_lengths=None, SymInt[]? actual_seq_lengths_kv=None, "
+        "Tensor? dequant_scale1=None, Tensor? quant_scale1=None, Tensor? dequant_scale2=None, Tensor? "
+        "quant_scale2=None, Tensor? quant_offset2=None, Tensor? antiquant_scale=None, Tensor? "
+        "antiquant_offset=None, Tensor? key_antiquant_scale=None, Tensor? key_antiquant_offset=None, Tensor? "
+        "value_antiquant_scale=None, Tensor? value_antiquant_offset=None, Tensor? block_table=None, Tensor? "
+        "query_padding_size=None, Tensor? kv_padding_size=None, Tensor? key_shared_prefix=None, Tensor? "
+        "value_shared_prefix=None, SymInt[]? actual_shared_prefix_len=None, Tensor? query_rope=None, Tensor? "
+        "key_rope=None, Tensor? key_rope_antiquant_scale=None, int num_heads=1, float scale=1.0, int "
+        "pre_tokens=2147483647, int next_tokens=2147483647, str input_layout=\"BSH\", int "
+        "num_key_value_heads=0, int sparse_mode=0, int inner_precise=0, int block_size=0, int "
+        "antiquant_mode=0, int key_antiquant_mode=0, int value_antiquant_mode=0, bool softmax_lse_flag=False)"
+        " -> (Tensor, Tensor)"
+    ),
+    "npu_rms_norm": (
+        "npu_rms_norm(Tensor self, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor)"
+    ),
+    "npu_swiglu": (
+        "npu_swiglu(Tensor self, int dim=-1) -> Tensor"
+    ),
+    "npu_rotary_mul": (
+        "npu_rotary_mul(Tensor self, Tensor r1, Tensor r2, str rotary_mode='half', Tensor? rotate=None) -> "
+        "Tensor"
+    ),
+}
+
 
 def _check(condition: bool, message: str) -> None:
     if not condition:
         raise RuntimeError(f"torch_npu reference: {message}")
 
 
-def npu_scatter_pa_kv_cache(key, value, key_cache, value_cache, slot_mapping, *, compress_lens=None,
-                            compress_seq_offset=None, seq_lens=None, cache_mode="PA_NZ", scatter_mode="None"):
+def _scatter_pa_kv_cache(key, value, key_cache, value_cache, slot_mapping, compress_lens=None,
+                         compress_seq_offsets=None, seq_lens=None, cache_mode="PA_NZ"):
     """Writes key/value [T, kv_heads, head_dim] at slot_mapping [T] (slot =
     block * block_size + offset) into caches (num_blocks, block_size, kv_heads,
-    head_dim): cache_mode "Norm" only (PA_NZ is a fractal layout)."""
+    head_dim): cache_mode "Norm" only (PA_NZ, the default, is a fractal layout)."""
     _check(cache_mode == "Norm", f"cache_mode {cache_mode!r}: the reference lays out 'Norm' only")
-    _check(compress_lens is None and compress_seq_offset is None and seq_lens is None, "compression unsupported")
+    _check(compress_lens is None and compress_seq_offsets is None and seq_lens is None, "compression unsupported")
     _check(key.dim() == 3 and key_cache.dim() == 4, "key [T, N, D] and key_cache [blocks, block_size, N, D]")
+    _check(key.is_contiguous() and value.is_contiguous(), "non-contiguous key/value")
     _check(key_cache.shape[2:] == key.shape[1:] and value_cache.shape[2:] == value.shape[1:],
            f"cache heads/dims {tuple(key_cache.shape)} do not match key {tuple(key.shape)}")
     _check(slot_mapping.dtype == torch.int32 and slot_mapping.shape == key.shape[:1], "slot_mapping int32 [T]")
@@ -43,37 +84,53 @@ def npu_scatter_pa_kv_cache(key, value, key_cache, value_cache, slot_mapping, *,
     value_cache[slots // block_size, slots % block_size] = value
 
 
-def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_mask=None, actual_seq_lengths=None,
-                                    actual_seq_lengths_kv=None, block_table=None, num_heads=1, scale=1.0,
-                                    pre_tokens=_INT32_MAX, next_tokens=_INT32_MAX, input_layout="BSH",
-                                    num_key_value_heads=0, sparse_mode=0, inner_precise=0, block_size=0,
-                                    softmax_lse_flag=False, **unsupported):
+_ATTENTION_DEFAULTS = {argument.name: argument.default_value
+                       for argument in torch._C.parse_schema(SCHEMAS["npu_fused_infer_attention_score"]).arguments
+                       if argument.kwarg_only}
+_ATTENTION_MODELLED = ("atten_mask", "actual_seq_lengths", "actual_seq_lengths_kv", "block_table", "num_heads", "scale",
+                       "pre_tokens", "next_tokens", "input_layout", "num_key_value_heads", "sparse_mode",
+                       "inner_precise", "block_size", "softmax_lse_flag")
+
+
+def _fused_infer_attention_score(query, key, value, **kwargs):
     """The paged TND case: query [T, N, D]; key/value (num_blocks, block_size,
     kv_heads * D) read through block_table [B, max_blocks] int32;
     actual_seq_lengths the cumulative query ends, actual_seq_lengths_kv each
     sequence's KV length; sparse_mode 3 (causal, aligned to the bottom right
     of each [q, kv] block) or 4 (a band of pre_tokens / next_tokens around
     that diagonal), both with the compressed 2048 x 2048 upper-triangular
-    mask. Returns (attention_out [T, N, D], softmax_lse)."""
-    _check(not unsupported, f"arguments the reference does not model: {sorted(unsupported)}")
-    _check(input_layout == "TND" and block_table is not None, "the reference models paged TND only")
-    _check(pse_shift is None, "pse_shift unsupported")
+    mask. With one query token per sequence (Q_S = 1, the op's decode
+    branch) the documentation has sparse_mode, pre_tokens and next_tokens
+    "invalid": every one of a sequence's KV tokens is attended, band or not.
+    Returns (attention_out [T, N, D], softmax_lse [T, N, 1], or [1] of 0
+    without softmax_lse_flag)."""
+    unmodelled = {name: v for name, v in kwargs.items() if name not in _ATTENTION_MODELLED}
+    _check(all(v == _ATTENTION_DEFAULTS[name] for name, v in unmodelled.items()),
+           f"arguments the reference does not model: {sorted(unmodelled)}")
+    arguments = {name: kwargs.get(name, _ATTENTION_DEFAULTS[name]) for name in _ATTENTION_MODELLED}
+    num_heads, block_size, block_table = arguments["num_heads"], arguments["block_size"], arguments["block_table"]
+    _check(arguments["input_layout"] == "TND" and block_table is not None, "the reference models paged TND only")
     _check(query.dim() == 3 and query.shape[1] == num_heads, f"query [T, {num_heads}, D], got {tuple(query.shape)}")
-    kv_heads = num_key_value_heads or num_heads
+    kv_heads = arguments["num_key_value_heads"] or num_heads
     head_dim = query.shape[2]
     _check(key.dim() == 3 and key.shape[1] == block_size and key.shape[2] == kv_heads * head_dim,
            f"key ({'{blocks}'}, {block_size}, {kv_heads * head_dim}), got {tuple(key.shape)}")
     _check(block_table.dtype == torch.int32, "block_table int32")
+    sparse_mode = arguments["sparse_mode"]
     _check(sparse_mode in (3, 4), f"sparse_mode {sparse_mode}: the reference models 3 and 4")
     causal = torch.triu(torch.ones(2048, 2048, dtype=torch.int8), diagonal=1)
-    _check(atten_mask is not None and atten_mask.dtype in (torch.int8, torch.bool, torch.uint8)
-           and torch.equal(atten_mask.to(torch.int8).cpu(), causal), "sparse_mode 3/4 take the 2048^2 triu mask")
-    if sparse_mode == 3:
-        pre_tokens, next_tokens = _INT32_MAX, 0
-    ends = list(actual_seq_lengths)
-    kv_lens = list(actual_seq_lengths_kv)
+    mask = arguments["atten_mask"]
+    _check(mask is not None and mask.dtype in (torch.int8, torch.bool, torch.uint8)
+           and torch.equal(mask.to(torch.int8).cpu(), causal), "sparse_mode 3/4 take the 2048^2 triu mask")
+    ends = list(arguments["actual_seq_lengths"])
+    kv_lens = list(arguments["actual_seq_lengths_kv"])
     _check(len(ends) == len(kv_lens) == block_table.shape[0] and ends[-1] == query.shape[0],
            "actual_seq_lengths must be cumulative query ends, one per block-table row")
+    pre_tokens, next_tokens = arguments["pre_tokens"], arguments["next_tokens"]
+    if sparse_mode == 3:
+        pre_tokens, next_tokens = _INT32_MAX, 0
+    if max(end - start for start, end in zip([0, *ends], ends)) == 1:  # Q_S = 1: no band
+        pre_tokens, next_tokens = _INT32_MAX, _INT32_MAX
     out = torch.empty_like(query)
     lse = torch.empty(query.shape[0], num_heads, 1, dtype=torch.float32)
     start = 0
@@ -84,8 +141,7 @@ def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_
         k = key[blocks].reshape(-1, kv_heads, head_dim)[:kv_len].float()
         v = value[blocks].reshape(-1, kv_heads, head_dim)[:kv_len].float()
         k, v = (t.repeat_interleave(num_heads // kv_heads, dim=1) for t in (k, v))
-        q = query[start:end].float()
-        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        scores = torch.einsum("qhd,khd->hqk", query[start:end].float(), k) * arguments["scale"]
         q_pos = torch.arange(kv_len - n, kv_len)[:, None]
         k_pos = torch.arange(kv_len)[None, :]
         allowed = (k_pos <= q_pos + next_tokens) & (k_pos >= q_pos - pre_tokens)
@@ -93,29 +149,43 @@ def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_
         lse[start:end] = torch.logsumexp(scores, dim=-1).transpose(0, 1)[..., None]
         out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v).to(query.dtype)
         start = end
-    return out, lse
+    return out, lse if arguments["softmax_lse_flag"] else torch.zeros(1)
 
 
-def npu_rms_norm(x, gamma, epsilon=1e-6):
+def _rms_norm(x, gamma, epsilon=1e-6):
     """(y, rstd): y = x / rms(x) * gamma over the last dimension."""
     x32 = x.float()
     rstd = torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + epsilon)
     return (x32 * rstd * gamma.float()).to(x.dtype), rstd
 
 
-def npu_swiglu(x, dim=-1):
+def _swiglu(x, dim=-1):
     """silu(first half) * second half along `dim`."""
     a, b = x.float().chunk(2, dim=dim)
     return (F.silu(a) * b).to(x.dtype)
 
 
-def npu_rotary_mul(input, r1, r2, rotary_mode="half"):
+def _rotary_mul(x, r1, r2, rotary_mode="half", rotate=None):
     """x * r1 + rotate_half(x) * r2 on 4-d tensors (r1, r2 broadcast to x)."""
-    _check(rotary_mode == "half", "the reference models rotary_mode 'half' only")
-    _check(input.dim() == 4 and r1.dim() == 4 and r2.dim() == 4, "npu_rotary_mul takes 4-d tensors")
-    x = input.float()
-    x1, x2 = x.chunk(2, dim=-1)
-    return (x * r1.float() + torch.cat((-x2, x1), dim=-1) * r2.float()).to(input.dtype)
+    _check(rotary_mode == "half" and rotate is None, "the reference models rotary_mode 'half' only")
+    _check(x.dim() == 4 and r1.dim() == 4 and r2.dim() == 4, "npu_rotary_mul takes 4-d tensors")
+    x32 = x.float()
+    x1, x2 = x32.chunk(2, dim=-1)
+    return (x32 * r1.float() + torch.cat((-x2, x1), dim=-1) * r2.float()).to(x.dtype)
+
+
+_LIBRARY = torch.library.Library("npu", "FRAGMENT")
+for _name, _impl in [("npu_scatter_pa_kv_cache", _scatter_pa_kv_cache),
+                     ("npu_fused_infer_attention_score", _fused_infer_attention_score),
+                     ("npu_rms_norm", _rms_norm), ("npu_swiglu", _swiglu), ("npu_rotary_mul", _rotary_mul)]:
+    _LIBRARY.define(SCHEMAS[_name])
+    _LIBRARY.impl(_name, _impl, "CPU")
+
+npu_scatter_pa_kv_cache = torch.ops.npu.npu_scatter_pa_kv_cache
+npu_fused_infer_attention_score = torch.ops.npu.npu_fused_infer_attention_score
+npu_rms_norm = torch.ops.npu.npu_rms_norm
+npu_swiglu = torch.ops.npu.npu_swiglu
+npu_rotary_mul = torch.ops.npu.npu_rotary_mul
 
 
 def _host_memory(device=None) -> tuple[int, int]:

@@ -15,12 +15,14 @@ def assert_matches_sdpa(kernel, heads: int, kv_heads: int, head_dim: int, block_
                         new: list[int], computed: list[int], window: int | None) -> None:
     """Sequence i feeds new[i] tokens after computed[i] cached ones, its blocks
     scattered over a random float32 pool (no rounding to hide a layout
-    mistake): `kernel`'s attention must equal SDPA's."""
+    mistake): `kernel` runs on a copy of that pool, the oracle on the pool
+    itself, so the kernel reads only the K/V it wrote; its attention must
+    equal SDPA's, and the two pools must hold the same K/V after."""
     spec = KVCacheSpec(num_layers=2, num_kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
                        dtype=torch.float32)
-    pool = KVCachePool(spec, num_blocks, CPU)
-    pool.key_cache.normal_()
-    pool.value_cache.normal_()
+    pool, kernel_pool = KVCachePool(spec, num_blocks, CPU), KVCachePool(spec, num_blocks, CPU)
+    for cache, copy in ((pool.key_cache, kernel_pool.key_cache), (pool.value_cache, kernel_pool.value_cache)):
+        copy.copy_(cache.normal_())
     free = torch.randperm(pool.num_blocks).tolist()
     tables = [[free.pop() for _ in range(-(-(n + c) // block_size))] for n, c in zip(new, computed)]
     rows = sum(new)
@@ -29,5 +31,7 @@ def assert_matches_sdpa(kernel, heads: int, kv_heads: int, head_dim: int, block_
     oracle = attention.paged_attention(
         q, k, v, 1, attention.build_paged_step(pool, new, computed, tables, CPU), None, window)
     tested = attention.paged_attention(
-        q, k, v, 1, attention.build_paged_step(pool, new, computed, tables, CPU, kernel), None, window)
+        q, k, v, 1, attention.build_paged_step(kernel_pool, new, computed, tables, CPU, kernel), None, window)
     torch.testing.assert_close(tested, oracle, atol=2e-6, rtol=2e-6)
+    assert torch.equal(kernel_pool.key_cache, pool.key_cache) and torch.equal(kernel_pool.value_cache,
+                                                                              pool.value_cache)

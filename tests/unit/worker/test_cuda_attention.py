@@ -5,8 +5,11 @@ itself runs on a GPU only) and held to attention.py's SDPA path, the oracle.
 Not a test of the flash kernel: no GPU here."""
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
+from torch.nn.attention.varlen import varlen_attn
 
 from services.worker.platforms.cuda import CudaPlatform, VarlenAttention
 from tests.unit.worker.paged_oracle import assert_matches_sdpa
@@ -52,6 +55,16 @@ def reference_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *
         weights = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
         out[start:start + n] = torch.einsum("hqk,khd->qhd", weights, v.float()).to(query.dtype)
     return out
+
+
+def test_the_reference_has_varlen_attns_signature():
+    """The reference stands in for this torch's varlen_attn: the same parameters,
+    kinds and defaults, or a keyword the platform passes could be one torch lacks."""
+
+    def parameters(function):
+        return [(p.name, p.kind, p.default) for p in inspect.signature(function).parameters.values()]
+
+    assert parameters(reference_varlen_attn) == parameters(varlen_attn)
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 32)])

@@ -1,12 +1,13 @@
 """The NPU platform's plumbing, run on CPU through tests/fake_npu's torch_npu:
-reference implementations of the Ascend ops with their real signatures and
-layouts. What this proves: the worker calls those ops with the right keyword
+reference implementations of the Ascend ops under their real schemas, with
+their layouts. What this proves: the worker calls those ops with the right keyword
 names, layouts, index dtypes, cumulative/per-sequence lengths and mask, and
 the bundled model gives the CPU platform's logits through them. What it does
 not: anything about the real kernels (never run here)."""
 from __future__ import annotations
 
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,8 @@ CPU = torch.device("cpu")
 
 @pytest.fixture(scope="module")
 def npu_platform():
+    """The fake stays imported after (its ops stay registered with torch's
+    dispatcher), but torch.npu goes: npu_available() is False again."""
     sys.path.insert(0, str(FAKE_NPU))
     try:
         from services.worker.platforms.npu import NpuPlatform
@@ -31,21 +34,55 @@ def npu_platform():
         yield NpuPlatform(CPU)  # the NPU code path, its tensors on the CPU
     finally:
         sys.path.remove(str(FAKE_NPU))
-        sys.modules.pop("torch_npu", None)
         del torch.npu
+
+
+def test_without_torch_npu_npu_is_refused_and_auto_is_cpu(monkeypatch):
+    from services.worker.platforms import select_platform
+
+    monkeypatch.setitem(sys.modules, "torch_npu", None)  # import torch_npu raises ImportError
+    with pytest.raises(RuntimeError, match="device=npu requested but torch_npu"):
+        select_platform("npu")
+    assert select_platform("auto").name == "cpu"  # no CUDA in this torch build either
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"), [(9, 3, 64, 128), (4, 4, 32, 256)])
 @pytest.mark.parametrize("window", [None, 5, 40])
-def test_fused_attention_matches_sdpa(npu_platform, heads, kv_heads, head_dim, block_size, window):
-    """Decodes, fresh prompts and a chunk over a cached prefix in one step; blocks
-    scattered over the pool; float32 so that layout mistakes cannot hide in rounding."""
+@pytest.mark.parametrize("decode_only", [False, True])
+def test_fused_attention_matches_sdpa(npu_platform, heads, kv_heads, head_dim, block_size, window, decode_only):
+    """Decodes, fresh prompts and a chunk over a cached prefix in one step, or
+    decodes alone (the op's decode branch, which drops a window's band);
+    blocks scattered over the pool; float32 so that layout mistakes cannot
+    hide in rounding."""
     from services.worker.platforms.npu import NpuAttention
 
     torch.manual_seed(heads + block_size)
-    kernel = NpuAttention(npu_platform._npu, heads, kv_heads, head_dim, block_size, CPU)
-    assert_matches_sdpa(kernel, heads, kv_heads, head_dim, block_size, 16, new=[1, 1, 1, 3, 21, 19, 150],
-                        computed=[0, block_size - 1, block_size + 4, 0, 0, 30, 200], window=window)
+    kernel = NpuAttention(npu_platform._npu, heads, kv_heads, head_dim, block_size, CPU, scatter_cache_mode=True)
+    new, computed = [1, 1, 1, 3, 21, 19, 150], [0, block_size - 1, block_size + 4, 0, 0, 30, 200]
+    if decode_only:
+        new, computed = new[:3], computed[:3]
+    assert_matches_sdpa(kernel, heads, kv_heads, head_dim, block_size, 16, new=new, computed=computed,
+                        window=window)
+
+
+def test_kv_is_written_by_slot_where_the_scatter_op_has_no_cache_mode(npu_platform):
+    """torch_npu before 26.0.0: npu_scatter_pa_kv_cache without cache_mode,
+    which writes PA_NZ only (op-plugin's 7.3.0 schema)."""
+    from services.worker.platforms.npu import NpuAttention, takes_cache_mode
+
+    library = torch.library.Library("torch_npu_7_3", "FRAGMENT")
+    library.define("npu_scatter_pa_kv_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+                   "Tensor slot_mapping, *, Tensor? compress_lens=None, Tensor? compress_seq_offsets=None, "
+                   "Tensor? seq_lens=None) -> ()")
+    old_scatter = torch.ops.torch_npu_7_3.npu_scatter_pa_kv_cache  # no kernel: calling it fails
+    assert takes_cache_mode(torch.ops.npu.npu_scatter_pa_kv_cache) and npu_platform._scatter_cache_mode
+    assert not takes_cache_mode(old_scatter)
+    older_torch_npu = types.SimpleNamespace(
+        npu_scatter_pa_kv_cache=old_scatter,
+        npu_fused_infer_attention_score=npu_platform._npu.npu_fused_infer_attention_score)
+    torch.manual_seed(1)
+    kernel = NpuAttention(older_torch_npu, 4, 2, 32, 128, CPU, scatter_cache_mode=takes_cache_mode(old_scatter))
+    assert_matches_sdpa(kernel, 4, 2, 32, 128, 8, new=[1, 19, 40], computed=[130, 0, 100], window=None)
 
 
 def test_fused_attention_needs_its_block_sizes_and_dtypes(npu_platform):

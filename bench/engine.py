@@ -47,6 +47,7 @@ def run_level(runner: ModelRunner, policy: BatchPolicy, prompts: list[list[int]]
     last_token_us: dict[int, int] = {}
     arrival_us: dict[int, int] = {}
     ttft, itl, e2e, tokens = [], [], [], 0
+    finished: set[int] = set()
 
     def admit() -> None:
         seq = Sequence(next(ids), "bench", pending.pop(0), greedy, stopping, _now_us())
@@ -69,7 +70,10 @@ def run_level(runner: ModelRunner, policy: BatchPolicy, prompts: list[list[int]]
             else:
                 itl.append((now - last_token_us[seq.seq_id]) / 1e6)
             last_token_us[seq.seq_id] = now
-            if seq.is_finished:
+            # A step may deliver several tokens of a sequence (speculative decoding):
+            # it finishes once, at its last.
+            if seq.is_finished and seq.seq_id not in finished:
+                finished.add(seq.seq_id)
                 e2e.append((now - arrival_us[seq.seq_id]) / 1e6)
                 progress.tick()
                 if pending:

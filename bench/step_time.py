@@ -45,11 +45,15 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
-    parser.add_argument("--num-threads", type=int, default=0, help="torch threads per rank; 0 = torch default")
+    parser.add_argument("--num-threads", type=int, default=0,
+                        help="torch threads of the worker, split between its ranks as the worker's setting; 0 = torch default")
     args = parser.parse_args()
 
     platform = select_platform("cpu")
-    platform.set_num_threads(args.num_threads)
+    try:
+        platform.set_num_threads(args.num_threads, args.tensor_parallel_size)
+    except TypeError:  # a tree whose set_num_threads took the threads of this process only
+        platform.set_num_threads(args.num_threads)
     if args.tensor_parallel_size > 1:
         from services.common.config import load_config
         from services.worker.config import WorkerConfig

@@ -124,13 +124,21 @@ class Chain:
             return ()
         return ("--metrics-port", str(self.metrics_ports.setdefault(name, free_port())))
 
+    def _threads_flag(self) -> tuple[str, ...]:
+        """Workers on one host share its cores: unless the operator set
+        NUM_THREADS, each gets its part, or their thread teams (each as large as
+        the host) wait on each other at every barrier."""
+        if len(self.worker_ports) < 2 or "STORMSERVE_NUM_THREADS" in {**os.environ, **self.env}:
+            return ()
+        return ("--num-threads", str(max(1, len(os.sched_getaffinity(0)) // len(self.worker_ports))))
+
     def start(self) -> None:
         workers = [f"127.0.0.1:{p}" for p in self.worker_ports]
         # Internal services stay on loopback whatever STORMSERVE_HOST says (it is the edge's).
         internal = ("--host", "127.0.0.1")
         for i, port in enumerate(self.worker_ports):
             self._spawn(f"worker{i}", "services.worker", *internal, "--port", str(port),
-                        *self._metrics_flag(f"worker{i}"))
+                        *self._metrics_flag(f"worker{i}"), *self._threads_flag())
         self._spawn("scheduler", "services.scheduler", *internal, "--port", str(self.scheduler_port),
                     "--worker-addresses", ",".join(workers), *self._metrics_flag("scheduler"))
         self._spawn("tokenizer", "services.tokenizer", *internal, "--port", str(self.tokenizer_port),

@@ -37,7 +37,9 @@ class WorkerConfig:
     max_batch_size: int = setting(64, "most sequences in one step", alias="maxBatchSize")
     max_seq_len: int = setting(2560, "prompt + output cap in tokens (sizes the automatic KV budget)",
                                alias="maxSeqLen")
-    num_threads: int = setting(0, "torch intra-op CPU threads; 0 = torch default")
+    num_threads: int = setting(
+        0, "torch intra-op CPU threads of the worker, split evenly between its tensor-parallel ranks "
+        "(at least one each); 0 = torch default (the cores it may use)")
     tensor_parallel_size: int = setting(
         1, "ranks (processes, one device each) the model is split over; rank 0 serves", alias="tensorParallelSize",
     )

@@ -131,9 +131,12 @@ class Platform:
     def set_device(self, local_rank: int) -> None:
         """Bind this process to its device of the tensor-parallel group."""
 
-    def set_num_threads(self, num_threads: int) -> None:
-        if num_threads > 0:
-            torch.set_num_threads(num_threads)
+    def set_num_threads(self, num_threads: int, num_ranks: int) -> None:
+        """Give this rank its share of the worker's `num_threads` (0: torch's default,
+        the cores this process may use), at least one: the ranks of a group on one
+        host would otherwise each start a full thread team and wait on each other."""
+        if num_threads > 0 or num_ranks > 1:
+            torch.set_num_threads(max(1, (num_threads or torch.get_num_threads()) // num_ranks))
 
 
 def host_available_memory() -> int:

@@ -238,3 +238,27 @@ def test_envoy_in_front_takes_its_settings_from_the_environment(value):
 def test_a_misspelt_envoy_switch_is_an_error_not_off():
     with pytest.raises(ValueError, match="not a boolean"):
         supervisor.envoy_in_front({"STORMSERVE_ENVOY": "yess"})
+
+
+def _worker_commands(chain: Chain, monkeypatch) -> list[tuple[str, ...]]:
+    spawned = {}
+    monkeypatch.setattr(chain, "_spawn", lambda name, module, *args: spawned.setdefault(name, args))
+    chain.start()
+    return [args for name, args in spawned.items() if name.startswith("worker")]
+
+
+def test_workers_on_one_host_share_its_cores_unless_the_operator_says(monkeypatch):
+    monkeypatch.delenv("STORMSERVE_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    alone, = _worker_commands(Chain(metrics=False), monkeypatch)
+    assert "--num-threads" not in alone  # one worker: torch's own default
+    three = _worker_commands(Chain(worker_ports=[1, 2, 3], metrics=False), monkeypatch)
+    assert [args[args.index("--num-threads") + 1] for args in three] == ["2", "2", "2"]
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    assert all(args[args.index("--num-threads") + 1] == "1"
+               for args in _worker_commands(Chain(worker_ports=[1, 2], metrics=False), monkeypatch))
+    chain = Chain(worker_ports=[1, 2], metrics=False, env={"STORMSERVE_NUM_THREADS": "4"})
+    assert all("--num-threads" not in args for args in _worker_commands(chain, monkeypatch))
+    monkeypatch.setenv("STORMSERVE_NUM_THREADS", "3")
+    assert all("--num-threads" not in args
+               for args in _worker_commands(Chain(worker_ports=[1, 2], metrics=False), monkeypatch))

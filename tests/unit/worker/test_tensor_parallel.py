@@ -44,6 +44,16 @@ TINY = {
 }
 
 
+@pytest.mark.parametrize(("num_threads", "num_ranks", "expected"),
+                         [(0, 1, 6), (4, 1, 4), (0, 2, 3), (0, 4, 1), (5, 2, 2), (1, 2, 1), (0, 8, 1)])
+def test_the_ranks_of_a_worker_share_its_threads(num_threads, num_ranks, expected, monkeypatch):
+    set_to = []
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 6)
+    monkeypatch.setattr(torch, "set_num_threads", set_to.append)
+    select_platform("cpu").set_num_threads(num_threads, num_ranks)
+    assert (set_to or [torch.get_num_threads()]) == [expected]
+
+
 def test_balanced_ranges_cover_everything_once():
     for total, parts in [(3, 2), (9, 4), (1536, 2), (7, 7)]:
         ranges = [balanced_range(total, parts, i) for i in range(parts)]

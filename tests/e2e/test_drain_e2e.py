@@ -117,7 +117,7 @@ def assert_refused_503(reply: httpx.Response) -> None:
 
 def test_sigterm_to_the_edge_lets_its_streams_finish_and_refuses_new_requests(drain_chain, tmp_path):
     chain, _ = drain_chain
-    num_streams, max_tokens, drain_timeout_s = 8, 48, 120
+    num_streams, max_tokens, drain_timeout_s = 8, 160, 120
     proc, url = start_edge(chain.tokenizer_port, drain_timeout_s, tmp_path / "edge.log")
 
     async def scenario() -> tuple[float, float]:
@@ -188,7 +188,7 @@ def test_sigterm_to_a_worker_drains_it_while_the_other_takes_new_requests(drain_
     """Last in the module: worker0 does not come back."""
     chain, load = drain_chain
     worker = chain.procs["worker0"]
-    num_streams, max_tokens = 8, 64
+    num_streams, max_tokens = 8, 256
 
     # Seconds from SIGTERM until the scheduler saw worker0 draining, it had nothing left, and it exited.
     marks: dict[str, float] = {}

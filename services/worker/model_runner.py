@@ -12,16 +12,15 @@ Not thread-safe by design: the server calls `step` from one worker thread.
 """
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+from transformers import AutoConfig, AutoTokenizer
 
 from services.common.errors import invalid_argument
 from services.common.media_parts import has_vision_tower
@@ -31,6 +30,8 @@ from services.worker.checkpoint import Checkpoint
 from services.worker.decoder import LeanDecoder
 from services.worker.guided import GrammarError, GuidedDecoding
 from services.worker.kv_cache import KVCachePool, KVCacheSpec
+from services.worker.model_loading import (
+    Decoder, auto_kv_budget, generation_config, hf_decoder, load_hf_model, return_freed_memory)
 from services.worker.parallel import TensorParallel
 from services.worker.penalties import apply_penalties
 from services.worker.sequence import SampledToken, SamplingParams, SequenceInput, StepResult
@@ -92,76 +93,10 @@ class SequenceState:
     images: SequenceImages | None = None
 
 
-# input_ids [T] packed as the step lays them out, the step, the rows to return
-# logits for -> logits [rows, vocab].
-Decoder = Callable[[torch.Tensor, attention.PagedStep, torch.Tensor], torch.Tensor]
-
-
-def _hf_decoder(model: torch.nn.Module) -> Decoder:
-    """Any other HF causal LM: its own modules, with paged attention plugged in."""
-
-    def forward(input_ids: torch.Tensor, step: attention.PagedStep, logit_rows: torch.Tensor) -> torch.Tensor:
-        output = model(
-            input_ids=input_ids[None],
-            position_ids=step.positions[None],
-            use_cache=False,
-            logits_to_keep=logit_rows,
-            paged_step=step,
-        )
-        return output.logits[0]
-
-    return forward
-
-
 # After a step that ran at least this long (a prefill, decodes over long contexts),
-# the heap its activations freed goes back to the OS (_return_freed_memory): the
+# the heap its activations freed goes back to the OS (return_freed_memory): the
 # trim's 1 to 15 ms are then a few percent of the step at most.
 _TRIM_AFTER_SECONDS = 0.1
-
-
-def _return_freed_memory() -> None:
-    """Hand freed heap back to the OS, which glibc would otherwise keep: after loading
-    (float32 checkpoint tensors, the HF modules the lean path dropped: about 300 MB on
-    the bundled model) and after long steps (prefills, decodes over long contexts),
-    whose activations of up to 32 MB each land in per-thread heaps and stay resident
-    once freed (about 440 MB more after 64 concurrent 1,000-token prompts)."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
-
-
-def _load_hf_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    """The model through transformers, paged attention plugged in: other
-    families, and checkpoints without safetensors files."""
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    # device_map loads weights straight onto the device (no full CPU copy first).
-    return AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=dtype, attn_implementation=attention.register(), device_map=str(device)
-    ).eval()
-
-
-def _generation_config(model_dir: Path, config) -> GenerationConfig:
-    """generation_config.json, or what transformers derives from config.json without one."""
-    try:
-        return GenerationConfig.from_pretrained(model_dir)
-    except OSError:
-        return GenerationConfig.from_model_config(config)
-
-
-def auto_kv_budget(spec: KVCacheSpec, max_batch_size: int, max_seq_len: int, backend: Platform) -> int:
-    """Room for `max_batch_size` sequences of `max_seq_len` tokens, so that no
-    request within the configured limits is ever preempted, but no more than
-    the backend's share of the memory available now."""
-    needed = max_batch_size * -(-max_seq_len // spec.block_size) * spec.bytes_per_block
-    available = int(backend.available_memory() * backend.kv_memory_fraction)
-    budget = min(needed, available)
-    log.info("KV budget: %.0f MiB (%d sequences of %d tokens need %.0f MiB; %.0f MiB may be taken)",
-             budget / 2**20, max_batch_size, max_seq_len, needed / 2**20, available / 2**20)
-    return budget
 
 
 def _token_ids(value) -> list[int]:
@@ -210,19 +145,19 @@ class ModelRunner:
                 self.decoder = LeanDecoder(self.config, Checkpoint(model_dir, dtype_t, backend.device), backend,
                                            tensor_parallel)
             elif lean:  # a checkpoint without safetensors files
-                model = _load_hf_model(model_dir, dtype_t, backend.device)
+                model = load_hf_model(model_dir, dtype_t, backend.device)
                 self.decoder = LeanDecoder(self.config, model.state_dict(), backend, tensor_parallel)
                 del model  # the lean decoder holds every weight it needs; the HF modules go
             elif tensor_parallel is not None:  # the whole model on the host, this rank's shard on its device
-                model = _load_hf_model(model_dir, dtype_t, torch.device("cpu"))
+                model = load_hf_model(model_dir, dtype_t, torch.device("cpu"))
                 tensor_parallel.shard_module(model, text_config)
-                self.decoder = _hf_decoder(model.to(backend.device))
+                self.decoder = hf_decoder(model.to(backend.device))
             else:
-                self.decoder = _hf_decoder(_load_hf_model(model_dir, dtype_t, backend.device))
-        self.generation_config = _generation_config(model_dir, self.config)
+                self.decoder = hf_decoder(load_hf_model(model_dir, dtype_t, backend.device))
+        self.generation_config = generation_config(model_dir, self.config)
         self.vocab_size: int = int(text_config.vocab_size)
         self.max_position_embeddings: int = getattr(text_config, "max_position_embeddings", None) or 0
-        _return_freed_memory()  # conversion copies, before the pool takes its share
+        return_freed_memory()  # conversion copies, before the pool takes its share
         with torch.inference_mode():
             # Per rank of a group: its KV heads' share of the pool.
             spec = dataclasses.replace(KVCacheSpec.from_model_config(self.config, block_size, dtype_t),
@@ -300,7 +235,7 @@ class ModelRunner:
         self.backend.synchronize()
         elapsed = time.perf_counter() - started
         if elapsed >= _TRIM_AFTER_SECONDS:
-            _return_freed_memory()
+            return_freed_memory()
         return StepResult(tokens, int(elapsed * 1e6))
 
     @torch.inference_mode()

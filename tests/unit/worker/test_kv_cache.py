@@ -6,7 +6,8 @@ import torch
 
 from services.common.errors import ServiceError
 from services.worker.kv_cache import KVCachePool, KVCacheSpec
-from services.worker.model_runner import ModelRunner, auto_kv_budget
+from services.worker.model_loading import auto_kv_budget
+from services.worker.model_runner import ModelRunner
 from services.worker.sequence import SamplingParams, SequenceInput
 
 

@@ -2,6 +2,7 @@
 (plain, TLS, mutual TLS) and carries the edge's limits."""
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 
 import pytest
@@ -10,6 +11,8 @@ import yaml
 from services.common.config import load_config
 from services.envoy.config import DESCRIPTOR, EnvoyConfig
 from services.envoy.render import MIB, as_flags, envoy_binary, envoy_command, render, write
+from services.http_edge.config import EdgeConfig
+from services.scheduler.config import SchedulerConfig
 from tests.tls import TestCA
 
 
@@ -187,3 +190,12 @@ def test_settings_come_from_the_environment_and_round_trip_as_flags():
     assert (config.max_queue_size, config.envoy_cors_origins) == (50, ("https://a.example", "http://b.example:8080"))
     assert "max_active_downstream_connections: 4096" in render(config)
     assert load_config(EnvoyConfig, argv=as_flags(config), environ={}) == config
+
+
+@pytest.mark.parametrize(("owner", "name"), [(EdgeConfig, "max_request_mib"), (EdgeConfig, "request_timeout_s"),
+                                             (EdgeConfig, "body_timeout_s"), (SchedulerConfig, "max_queue_size")])
+def test_a_setting_envoy_shares_has_its_owners_default(owner, name):
+    """Envoy reads the edge's and the scheduler's settings under their names: with
+    nothing set, it must hold the same values, or it refuses what the chain takes."""
+    defaults = {f.name: f.default for f in dataclasses.fields(owner)}
+    assert {f.name: f.default for f in dataclasses.fields(EnvoyConfig)}[name] == defaults[name]

@@ -61,6 +61,11 @@ _SIGNATURES: dict[str, list] = {
 }
 
 
+def cpu_has(flag: str) -> bool:
+    """Whether /proc/cpuinfo lists `flag` (as "avx512_bf16") for this CPU."""
+    return flag in _cpu_flags().split()
+
+
 def _cpu_flags() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -110,9 +115,11 @@ def _library() -> ctypes.CDLL | None:
     if hasattr(library, "linear_bf16"):  # built only for CPUs with AVX512_BF16, or AVX2 without AVX-512
         library.pack_linear_bf16.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
         library.pack_linear_bf16.restype = None
-    if hasattr(library, "linear_q4"):  # AVX2 without AVX-512 only
+    if hasattr(library, "linear_q4"):  # as linear_bf16; each build lays the codes out its own way
         library.pack_linear_q4.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_void_p]
         library.pack_linear_q4.restype = None
+        library.q4_packed_bytes.argtypes = [ctypes.c_int64] * 2
+        library.q4_packed_bytes.restype = ctypes.c_int64
     for kernel in ("linear_bf16", "linear_q4"):
         if hasattr(library, kernel):
             getattr(library, kernel).argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3
@@ -266,7 +273,7 @@ def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> PackedLine
 
 
 def q4_linear_available() -> bool:
-    """Whether this CPU runs exactly-4-bit weights on linear.c (AVX2 without AVX-512)."""
+    """Whether this CPU runs exactly-4-bit weights on linear.c (as bfloat16_linear_available)."""
     library = _library()
     return library is not None and hasattr(library, "linear_q4")
 
@@ -277,12 +284,15 @@ def packed_q4_linear(codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor
     scale plus low per group of 32 inputs ([out, in / 32], int4.four_bit_codes),
     or None where there is none (see q4_linear_available)."""
     out_features, in_features = codes.shape
-    if not q4_linear_available() or out_features % 8 or in_features % 32:
+    if not q4_linear_available():
         return None
     library = _library()
+    size = library.q4_packed_bytes(out_features, in_features)
+    if size < 0:  # a shape the layout does not take
+        return None
     codes = codes.to(torch.uint8).contiguous()
     scale, low = scale.float().contiguous(), low.float().contiguous()
-    packed = torch.empty(out_features * in_features // 32 * 160, dtype=torch.uint8)  # as linear.c lays it out
+    packed = torch.empty(size, dtype=torch.uint8)
     library.pack_linear_q4(codes.data_ptr(), scale.data_ptr(), low.data_ptr(), out_features, in_features,
                            packed.data_ptr())
     return PackedLinear(library.linear_q4, packed, out_features, in_features, bias)

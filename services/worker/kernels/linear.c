@@ -140,6 +140,146 @@ int linear_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias,
     return 0;
 }
 
+/* Weights that are exactly 4-bit (int4.py): per output, groups of 32 inputs of
+ * code * scale + low, codes 0 to 15. Column blocks of 16 outputs; per block and
+ * group 384 bytes: 4 vectors in the pair layout above (32 16-bit lanes, lane
+ * 2j + e holding output j's codes for inputs 2p + e of 4 consecutive pairs p,
+ * the pair 4v + i in bits 4i to 4i + 3 of vector v), then the 16 scales and
+ * the 16 lows less 128 scales as float32. A code c widens to the bfloat16
+ * 128 + c with one shift and one ternary logic op (0x4300 | c), so each group
+ * sums (128 + c) * x on vdpbf16ps, and scale * that + (low - 128 scale) *
+ * sum(x) is the output. 0.75 bytes a weight against bfloat16's 2: a step of
+ * a few rows, bound by reading the weights, runs on this kernel. */
+#define Q4_BLOCK 16
+#define Q4_GROUP 32
+#define Q4_GROUP_BYTES 384
+#define Q4_TILE_ROWS 12 /* up to 24 sums, codes, a widened vector, a broadcast, 2 constants */
+
+int64_t q4_packed_bytes(int64_t n, int64_t k) {
+    return n % Q4_BLOCK || k % Q4_GROUP ? -1 : n / Q4_BLOCK * (k / Q4_GROUP) * Q4_GROUP_BYTES;
+}
+
+/* codes [n, k] (0 to 15), scale and low [n, k / 32] -> the layout above; n a
+ * multiple of 16, k of 32. */
+void pack_linear_q4(const uint8_t *codes, const float *scale, const float *low, int64_t n, int64_t k,
+                    uint8_t *packed) {
+    const int64_t groups = k / Q4_GROUP;
+#pragma omp parallel for
+    for (int64_t b = 0; b < n / Q4_BLOCK; b++)
+        for (int64_t g = 0; g < groups; g++) {
+            uint8_t *dst = packed + (b * groups + g) * Q4_GROUP_BYTES;
+            for (int v = 0; v < 4; v++)
+                for (int j = 0; j < Q4_BLOCK; j++)
+                    for (int e = 0; e < 2; e++) {
+                        uint16_t lane = 0;
+                        for (int i = 0; i < 4; i++)
+                            lane |= (uint16_t)((codes[(b * Q4_BLOCK + j) * k + g * Q4_GROUP + 2 * (4 * v + i) + e] & 15)
+                                               << (4 * i));
+                        memcpy(dst + v * 64 + (2 * j + e) * 2, &lane, 2);
+                    }
+            float *tail = (float *)(dst + 256);
+            for (int j = 0; j < Q4_BLOCK; j++) {
+                const int64_t at = (b * Q4_BLOCK + j) * groups + g;
+                tail[j] = scale[at];
+                tail[Q4_BLOCK + j] = low[at] - 128.0f * scale[at];
+            }
+        }
+}
+
+/* rows x 16 outputs at out (row stride n) from bfloat16 rows x (row stride k),
+ * their group sums xsum (row stride k / 32) and one packed block w. */
+INLINE void q4_tile(const uint16_t *x, const float *xsum, const uint8_t *w, const uint16_t *bias,
+                    const uint16_t *residual, uint16_t *out, int64_t n, int64_t k, int rows) {
+    const int64_t groups = k / Q4_GROUP;
+    const __m512i nibble = _mm512_set1_epi16(15), exponent = _mm512_set1_epi16(0x4300);
+    __m512 sum[Q4_TILE_ROWS];
+    for (int r = 0; r < rows; r++) sum[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *gw = w + g * Q4_GROUP_BYTES;
+        _mm_prefetch((const char *)(gw + 4 * Q4_GROUP_BYTES), _MM_HINT_T0);
+        _mm_prefetch((const char *)(gw + 4 * Q4_GROUP_BYTES + 64), _MM_HINT_T0);
+        _mm_prefetch((const char *)(gw + 4 * Q4_GROUP_BYTES + 128), _MM_HINT_T0);
+        _mm_prefetch((const char *)(gw + 4 * Q4_GROUP_BYTES + 192), _MM_HINT_T0);
+        _mm_prefetch((const char *)(gw + 4 * Q4_GROUP_BYTES + 256), _MM_HINT_T0);
+        _mm_prefetch((const char *)(gw + 4 * Q4_GROUP_BYTES + 320), _MM_HINT_T0);
+        /* A few rows split their sums over chains, so vdpbf16ps's latency overlaps. */
+        const int chains = rows <= 2 ? 4 : rows <= 4 ? 2 : 1;
+        __m512 part[Q4_TILE_ROWS][4];
+        for (int r = 0; r < rows; r++)
+            for (int c = 0; c < chains; c++) part[r][c] = _mm512_setzero_ps();
+        for (int v = 0; v < 4; v++) {
+            const __m512i lanes = _mm512_loadu_si512(gw + v * 64);
+            for (int i = 0; i < 4; i++) {
+                /* (lanes >> 4i) & 15 | 0x4300: the bfloat16 128 + code. */
+                const __m512bh wv = (__m512bh)_mm512_ternarylogic_epi32(
+                    i ? _mm512_srli_epi16(lanes, 4 * i) : lanes, nibble, exponent, 0xEA);
+                const int64_t pair = g * (Q4_GROUP / 2) + 4 * v + i;
+                for (int r = 0; r < rows; r++) {
+                    int32_t xp;
+                    memcpy(&xp, x + r * k + 2 * pair, sizeof xp);
+                    part[r][i % chains] = _mm512_dpbf16_ps(part[r][i % chains], (__m512bh)_mm512_set1_epi32(xp), wv);
+                }
+            }
+        }
+        const __m512 scale = _mm512_loadu_ps((const float *)(gw + 256));
+        const __m512 low = _mm512_loadu_ps((const float *)(gw + 256) + Q4_BLOCK);
+        for (int r = 0; r < rows; r++) {
+            for (int c = 1; c < chains; c++) part[r][0] = _mm512_add_ps(part[r][0], part[r][c]);
+            sum[r] = _mm512_fmadd_ps(scale, part[r][0], sum[r]);
+            sum[r] = _mm512_fmadd_ps(low, _mm512_set1_ps(xsum[r * groups + g]), sum[r]);
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        __m512 v = sum[r];
+        if (bias != NULL) v = _mm512_add_ps(v, widen(bias));
+        if (residual != NULL) v = _mm512_add_ps(v, widen(residual + r * n));
+        _mm256_storeu_si256((__m256i *)(out + r * n), (__m256i)_mm512_cvtneps_pbh(v));
+    }
+}
+
+/* out [m, n] = x [m, k] @ W.T (+ bias [n]) (+ residual [m, n]) for a weight
+ * packed by pack_linear_q4; bias and residual may be NULL, every other array
+ * contiguous bfloat16. Returns 0, or -1 when out of memory. Threads take
+ * blocks two at a time, every block all rows: from the second tile of rows on
+ * a block's weights come from cache. */
+int linear_q4(const uint16_t *x, const uint8_t *packed, const uint16_t *bias, const uint16_t *residual,
+              uint16_t *out, int64_t m, int64_t n, int64_t k) {
+    const int64_t groups = k / Q4_GROUP, blocks = n / Q4_BLOCK;
+    float *xsum = malloc((size_t)(m * groups) * sizeof(float));
+    if (xsum == NULL) return -1;
+    for (int64_t i = 0; i < m * groups; i++) {
+        const __m512 a = widen(x + i * Q4_GROUP), b = widen(x + i * Q4_GROUP + 16);
+        xsum[i] = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+    }
+#pragma omp parallel for schedule(guided)
+    for (int64_t b = 0; b < blocks; b++)
+        for (int64_t r = 0; r < m; r += Q4_TILE_ROWS) {
+            const int tile_rows = (int)MIN(Q4_TILE_ROWS, m - r);
+            const int64_t col = b * Q4_BLOCK;
+            const uint16_t *tile_bias = bias == NULL ? NULL : bias + col;
+            const uint16_t *tile_residual = residual == NULL ? NULL : residual + r * n + col;
+#define TILE(ROWS) q4_tile(x + r * k, xsum + r * groups, packed + b * groups * Q4_GROUP_BYTES, tile_bias, \
+                           tile_residual, out + r * n + col, n, k, ROWS)
+            switch (tile_rows) {
+                case 12: TILE(12); break;
+                case 11: TILE(11); break;
+                case 10: TILE(10); break;
+                case 9: TILE(9); break;
+                case 8: TILE(8); break;
+                case 7: TILE(7); break;
+                case 6: TILE(6); break;
+                case 5: TILE(5); break;
+                case 4: TILE(4); break;
+                case 3: TILE(3); break;
+                case 2: TILE(2); break;
+                default: TILE(1);
+            }
+#undef TILE
+        }
+    free(xsum);
+    return 0;
+}
+
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
 #include <immintrin.h>
 
@@ -237,6 +377,10 @@ int linear_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias,
 
 typedef int32_t i32x8 __attribute__((vector_size(32)));
 typedef uint16_t u16x8 __attribute__((vector_size(16)));
+
+int64_t q4_packed_bytes(int64_t n, int64_t k) {
+    return n % Q4_BLOCK || k % Q4_GROUP ? -1 : n / Q4_BLOCK * (k / Q4_GROUP) * Q4_GROUP_BYTES;
+}
 
 /* codes [n, k] (0 to 15), scale and low [n, k / 32] -> the layout above; n a
  * multiple of 8, k of 32. */

@@ -500,28 +500,31 @@ INLINE int paged_attention(const void *q, const void *key, const void *value, co
                            int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                            int64_t max_blocks, int64_t block_size, float scale, int64_t window, int bf16) {
     const int64_t group = num_heads / num_kv_heads, chunks = head_dim / LANES;
+    row_dp_fn row_dp = NULL; /* decode rows on vdpbf16ps, for the head sizes it has */
+#if HAVE_ROW_DP
+    if (bf16) row_dp = chunks == 2 ? attend_row_dp_2 : chunks == 4 ? attend_row_dp_4 : chunks == 6 ? attend_row_dp_6
+                     : chunks == 8 ? attend_row_dp_8 : NULL;
+#endif
     /* Tiles of each sequence's rows, numbered across the step: tile t is row
-     * tile_rows[t] of sequence tile_seqs[t]. */
+     * tile_rows[t] of sequence tile_seqs[t]. A sequence of a few rows that run
+     * as decode rows (a decode with a draft) has a tile per row, so that one
+     * such sequence keeps every thread busy. */
+#define SEQ_TILE(s) (row_dp != NULL && num_new[s] <= ROWS_AS_DECODES ? 1 : TILE)
     int64_t num_tiles = 0, longest = 0;
     for (int64_t s = 0; s < num_seqs; s++) {
-        num_tiles += (num_new[s] + TILE - 1) / TILE;
+        num_tiles += (num_new[s] + SEQ_TILE(s) - 1) / SEQ_TILE(s);
         longest = context_lens[s] > longest ? context_lens[s] : longest;
     }
     int64_t *tile_seqs = malloc(sizeof(int64_t) * (size_t)(2 * num_tiles + 1)), *tile_rows = tile_seqs + num_tiles;
     if (tile_seqs == NULL) return -1;
     for (int64_t s = 0, t = 0; s < num_seqs; s++)
-        for (int64_t r = 0; r < num_new[s]; r += TILE, t++) tile_seqs[t] = s, tile_rows[t] = r;
+        for (int64_t r = 0; r < num_new[s]; r += SEQ_TILE(s), t++) tile_seqs[t] = s, tile_rows[t] = r;
     /* Per thread, enough for either path: a tile's queries (padded to whole
      * vectors), their sums and scores, and a block of keys as float32. */
     const int64_t lanes = (TILE * group + LANES - 1) / LANES * LANES;
     const int64_t padded = (longest + LANES - 1) / LANES * LANES;
     const size_t scratch_floats = (size_t)(lanes * (2 * head_dim + padded) + KEY_BLOCK * head_dim + 2 * padded);
     int failed = 0;
-    row_dp_fn row_dp = NULL; /* decode rows on vdpbf16ps, for the head sizes it has */
-#if HAVE_ROW_DP
-    if (bf16) row_dp = chunks == 2 ? attend_row_dp_2 : chunks == 4 ? attend_row_dp_4 : chunks == 6 ? attend_row_dp_6
-                     : chunks == 8 ? attend_row_dp_8 : NULL;
-#endif
 #pragma omp parallel
     {
         float *scratch = aligned_alloc(64, sizeof(float) * scratch_floats);
@@ -533,7 +536,7 @@ INLINE int paged_attention(const void *q, const void *key, const void *value, co
         for (int64_t task = 0; task < num_tiles * num_kv_heads; task++) {
             if (scratch == NULL) continue;
             const int64_t t = task / num_kv_heads, h = task % num_kv_heads, s = tile_seqs[t], r = tile_rows[t];
-            const int64_t rows = MIN(TILE, num_new[s] - r), pos0 = context_lens[s] - num_new[s] + r;
+            const int64_t rows = MIN(SEQ_TILE(s), num_new[s] - r), pos0 = context_lens[s] - num_new[s] + r;
             const int64_t *table = block_tables + s * max_blocks;
 #define ATTEND(CHUNKS)                                                                                      \
     if (rows == 1)                                                                                            \
@@ -559,6 +562,7 @@ INLINE int paged_attention(const void *q, const void *key, const void *value, co
     }
     free(tile_seqs);
     return failed ? -1 : 0;
+#undef SEQ_TILE
 }
 
 #define ENTRY_POINT(NAME, BF16)                                                                                 \

@@ -29,19 +29,21 @@ def _add(y: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
 # The batch size oneDNN lays packed weights out for; measured on a 2-core AVX-512
 # machine, packing for 32 rows serves 1 to 256 rows about as well as an exact hint.
 _PACKING_ROWS = 32
-# Up to this many rows, an exactly-4-bit weight runs on the int4 kernel (int4.py).
-# Beside oneDNN: whole decode steps of the bundled model measured 2.5 times
-# faster than bfloat16 at 1 row, 1.1 times at 8, and slower from about 10 rows
-# on. Beside the vdpbf16ps kernel (the bundled model's linears, 30 layers): 2.0
-# times faster at 1 row, 1.26 at 4, and 1.4 times slower from 5 rows on, where
-# the int4 kernel moves from 4-row to 1-row tiles.
+# Up to this many rows, an exactly-4-bit weight runs on torch's int4 kernel
+# (int4.py) beside oneDNN: whole decode steps of the bundled model measured 2.5
+# times faster than bfloat16 at 1 row, 1.1 times at 8, and slower from about 10
+# rows on.
 _INT4_MAX_ROWS = 8
-_INT4_MAX_ROWS_BESIDE_KERNEL = 4
 # On an AVX2 CPU, linear.c's 4-bit kernel beside its bfloat16 one (the bundled
 # model's linears, 30 layers and lm_head, weights read from memory, Zen 3 VM):
 # 11 against 19 ms at 1 row, 14 against 23 at 3, level at 4, slower from 5 rows
 # on, where it moves from 4-row to 1-row tiles.
 _Q4_MAX_ROWS = 4
+# On an AVX512_BF16 CPU, linear.c's 4-bit kernel beside its bfloat16 one (the
+# bundled model's layer shapes, 30 layers, weights read from memory, Zen 4 VM):
+# 4.5 against 10.2 ms at 1 row, 7.0 against 11.2 at 8, 9.9 against 13.1 at 12,
+# level at 16. Torch's int4 kernel: 4.9 ms at 1 row, 14.1 at 8.
+_Q4_MAX_ROWS_AVX512 = 12
 
 
 @functools.cache
@@ -95,9 +97,10 @@ class CpuPlatform(Platform):
         run 1.4 to 2.1 times slower at 1 to 32 rows: bfloat16 on an AVX-512 Xeon,
         float32 on an AVX2 EPYC (the bundled model's linears).
         A bfloat16 weight that is exactly 4-bit (from a Q4 GGUF) also gets a 4-bit
-        kernel for steps of a few rows (_INT4_MAX_ROWS*, _Q4_MAX_ROWS): torch's
-        int4 kernel on a CPU that computes bfloat16 natively, linear.c's on an
-        AVX2 CPU, where torch's is 10 times slower than a float32 matmul.
+        kernel for steps of a few rows (_Q4_MAX_ROWS*, _INT4_MAX_ROWS): linear.c's
+        where it is built (AVX512_BF16, or AVX2 without AVX-512, where torch's is 10
+        times slower than a float32 matmul), else torch's int4 kernel on a CPU that
+        computes bfloat16 natively.
         """
         weight = weight.detach()
         bias = None if bias is None else bias.detach()
@@ -106,9 +109,7 @@ class CpuPlatform(Platform):
         prepacks = weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and cpu_computes_bfloat16())
         if packed_kernel is not None:
             batched: Linear = packed_kernel
-            int4_max_rows = _INT4_MAX_ROWS_BESIDE_KERNEL
         elif prepacks and torch.backends.mkldnn.is_available():
-            int4_max_rows = _INT4_MAX_ROWS
             packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACKING_ROWS)
 
             def batched(x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -124,17 +125,18 @@ class CpuPlatform(Platform):
         four_bit = int4.four_bit_codes(weight) if exact_4bit else None
         if four_bit is None:
             return batched
-        if native:
+        small = cpu_kernels.packed_q4_linear(*four_bit, bias)
+        if small is not None:
+            int4_max_rows = _Q4_MAX_ROWS_AVX512 if cpu_kernels.cpu_has("avx512_bf16") else _Q4_MAX_ROWS
+        elif native:
+            int4_max_rows = _INT4_MAX_ROWS
             torch_int4 = int4.pack_for_torch(*four_bit, weight.dtype)
 
             def small(x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
                 y = int4.int4_linear(x, *torch_int4)
                 return _add(y if bias is None else y + bias, residual)
         else:
-            small = cpu_kernels.packed_q4_linear(*four_bit, bias)
-            int4_max_rows = _Q4_MAX_ROWS
-            if small is None:
-                return batched
+            return batched
 
         def small_batch_int4(x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
             return batched(x, residual) if x.shape[0] > int4_max_rows else small(x, residual)

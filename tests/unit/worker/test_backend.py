@@ -81,7 +81,7 @@ def test_exactly_4bit_weights_are_recognised_and_nothing_else():
     assert four_bit_codes(_four_bit_weight(64, 96).bfloat16()[:, :72]) is None  # not whole groups
 
 
-@pytest.mark.parametrize("rows", [1, 4, 5, 8, 9, 40])  # int4 kernel up to 4 or 8 rows, the batched one above
+@pytest.mark.parametrize("rows", [1, 4, 5, 8, 9, 13, 40])  # a 4-bit kernel up to 4, 8 or 12 rows, the batched one above
 def test_4bit_weights_give_the_same_products_on_either_kernel(rows: int):
     torch.manual_seed(rows)
     weight = _four_bit_weight(96, 128)
@@ -98,25 +98,27 @@ def test_4bit_weights_give_the_same_products_on_either_kernel(rows: int):
     torch.testing.assert_close(got, expected, atol=0.05, rtol=0.02)
 
 
-@pytest.mark.skipif(not cpu_kernels.q4_linear_available(), reason="the 4-bit kernel is built for AVX2 CPUs only")
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9])  # whole and partial 4-row tiles
-@pytest.mark.parametrize("out_features", [8, 48, 56, 104])  # whole and partial 48-output strips
+@pytest.mark.skipif(not cpu_kernels.q4_linear_available(),
+                    reason="the 4-bit kernel is built for AVX512_BF16 and AVX2-only CPUs")
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 12, 13])  # whole and partial tiles (4 rows on AVX2, 12 on AVX-512)
+@pytest.mark.parametrize("out_features", [16, 48, 112])  # whole and partial strips, 1 to 7 blocks
 def test_4bit_kernel_adds_bias_and_residual_and_rounds_once(rows: int, out_features: int):
     torch.manual_seed(rows * out_features)
     codes = torch.randint(0, 16, (out_features, 96), dtype=torch.uint8)
-    scale = torch.rand(out_features, 3) * 0.01 + 0.001
-    low = -scale * torch.rand(out_features, 3) * 15
+    # float16 values, as a GGUF stores them (the AVX2 build keeps them in float16).
+    scale = (torch.rand(out_features, 3) * 0.01 + 0.001).half().float()
+    low = (-scale * torch.rand(out_features, 3) * 15).half().float()
     bias, residual = torch.randn(out_features).bfloat16(), torch.randn(rows, out_features).bfloat16()
     linear = cpu_kernels.packed_q4_linear(codes, scale, low, bias)
     assert linear is not None
-    # The kernel keeps scale and low in float16.
-    scale, low = scale.half().float(), low.half().float()
     weight = (codes.float().view(out_features, 3, 32) * scale[..., None] + low[..., None]).view(out_features, 96)
     x = torch.randn(rows, 96).bfloat16()
     exact = F.linear(x.float(), weight, bias.float())
     torch.testing.assert_close(linear(x).float(), exact, atol=1e-2, rtol=2 ** -8)
     torch.testing.assert_close(linear(x, residual).float(), exact + residual.float(), atol=1e-2, rtol=2 ** -8)
     assert cpu_kernels.packed_q4_linear(codes[:, :80], scale, low, None) is None  # not whole groups
+    eight_outputs = cpu_kernels.packed_q4_linear(codes[:8], scale[:8], low[:8], None)
+    assert (eight_outputs is None) == cpu_kernels.cpu_has("avx512_bf16")  # blocks of 16 outputs there, 8 on AVX2
 
 
 def test_auto_dtype_is_bfloat16_only_where_the_cpu_runs_it_fast():

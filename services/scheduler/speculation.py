@@ -15,7 +15,8 @@ scheduler and worker that planning ahead buys, so the draft length adapts per
 sequence:
 
 - after a verification, the next draft is one token longer than what was
-  accepted (two longer after a fully accepted one), up to `max_draft_tokens`;
+  accepted, or twice as long after a fully accepted one (a run of copied text
+  reaches `max_draft_tokens`, the most, in a few steps);
 - an average of the tokens accepted per wait (a wait that found no draft gains
   none) below PAUSE_BELOW pauses drafting for that sequence for a number of
   tokens that doubles with each pause (it plans ahead meanwhile), and a probe
@@ -144,8 +145,8 @@ class Speculator:
         state = self._states.get(seq.seq_id)
         if state is None:
             return
-        step = 2 if num_accepted == num_drafted else 1
-        state.draft_len = max(1, min(self.config.max_draft_tokens, num_accepted + step))
+        grown = 2 * num_drafted if num_accepted == num_drafted else num_accepted + 1
+        state.draft_len = max(1, min(self.config.max_draft_tokens, grown))
         self._learn(seq, state, num_accepted)
 
     def _learn(self, seq: Sequence, state: DraftState, num_accepted: int) -> None:

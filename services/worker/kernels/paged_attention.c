@@ -535,7 +535,8 @@ INLINE int paged_attention(const void *q, const void *key, const void *value, co
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < num_tiles * num_kv_heads; task++) {
             if (scratch == NULL) continue;
-            const int64_t t = task / num_kv_heads, h = task % num_kv_heads, s = tile_seqs[t], r = tile_rows[t];
+            /* Head-major: the rows of a sequence that follow each other share their K/V in cache. */
+            const int64_t h = task / num_tiles, t = task % num_tiles, s = tile_seqs[t], r = tile_rows[t];
             const int64_t rows = MIN(SEQ_TILE(s), num_new[s] - r), pos0 = context_lens[s] - num_new[s] + r;
             const int64_t *table = block_tables + s * max_blocks;
 #define ATTEND(CHUNKS)                                                                                      \

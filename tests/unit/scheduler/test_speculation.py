@@ -86,7 +86,9 @@ def test_draft_length_follows_acceptance_and_drafting_pauses_when_it_does_not_pa
     speculator.on_verified(seq, 6, 1)
     assert speculator.propose(seq, 10) == [3, 4]  # one more than kept
     speculator.on_verified(seq, 2, 2)
-    assert len(speculator.propose(seq, 10)) == 4  # two more after a draft kept whole
+    assert len(speculator.propose(seq, 10)) == 4  # twice as long after a draft kept whole
+    speculator.on_verified(seq, 4, 4)
+    assert len(speculator.propose(seq, 10)) == 6  # at most max_draft_tokens
     for _ in range(3):  # nothing kept: the gain average falls, drafting pauses
         speculator.on_verified(seq, 1, 0)
     assert not speculator.wants_draft(seq, 1) and speculator.propose(seq, 10) == []

@@ -1,7 +1,8 @@
 """Interleaved bench.serve runs against several endpoints, and the medians.
 
 Rounds alternate the order of the endpoints, and every run has prompts of its
-own seed, so neither warm caches nor a drifting machine favours one of them:
+own seed (two endpoints may share a server and its prefix cache), so neither
+warm caches nor a drifting machine favours one of them:
 
     python -m bench.interleaved --target edge=http://127.0.0.1:8000 \
         --target envoy=http://127.0.0.1:8080 --levels 1:4,32:32 --rounds 6
@@ -10,6 +11,12 @@ Prints, per level and endpoint, the median over rounds of output tokens/s and
 of the TTFT, ITL and end-to-end p50s, and the tokens/s range; with
 `--metrics NAME=URL` (a stormserve scheduler's /metrics) also the draft
 acceptance rate and generated tokens per engine step of that endpoint.
+
+`--baseline NAME` pairs the runs: the endpoints of a round all get that
+round's prompts (so they must be separate servers, with caches of their own),
+and each endpoint's tokens/s is divided by the baseline's of the same round;
+the table adds those ratios and their median. Where what a prompt asks moves
+the speed (speculative decoding on copying prompts), only paired runs compare.
 """
 from __future__ import annotations
 
@@ -33,6 +40,8 @@ def main() -> None:
     parser.add_argument("--workload", choices=("random", "grounded"), default="random")
     parser.add_argument("--metrics", action="append", default=[], help="name=scheduler metrics URL")
     parser.add_argument("--out-dir", default="")
+    parser.add_argument("--baseline", default="", help="a target's name: pair the runs of a round (same prompts) "
+                                                       "and divide by its tokens/s")
     args = parser.parse_args()
     targets = dict(t.split("=", 1) for t in args.target)
     metrics = dict(m.split("=", 1) for m in args.metrics)
@@ -44,8 +53,8 @@ def main() -> None:
     for rnd in range(args.rounds):
         order = list(targets) if rnd % 2 == 0 else list(reversed(targets))
         for concurrency, requests in levels:
-            for name in order:
-                seed += 1
+            for i, name in enumerate(order):
+                seed += not args.baseline or i == 0  # paired: one seed for the round's endpoints
                 out = out_dir / f"{name}-{concurrency}-{rnd}.json"
                 subprocess.run([sys.executable, "-m", "bench.serve", "--base-url", targets[name],
                                 "--concurrency", str(concurrency), "--num-requests", str(requests),
@@ -55,8 +64,9 @@ def main() -> None:
                                check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 results.setdefault((concurrency, name), []).append(json.loads(out.read_text())["levels"][0])
                 print(f"round {rnd}: {name} at {concurrency}", file=sys.stderr, flush=True)
+    paired = f" / {args.baseline} (per round) |" if args.baseline else ""
     print(f"| streams | endpoint | output tok/s | TTFT p50 | ITL p50 | e2e p50 | tok/s range | accepted | "
-          f"tokens/step |  ({args.workload} prompts; runs in {out_dir})")
+          f"tokens/step |{paired}  ({args.workload} prompts; runs in {out_dir})")
     for (concurrency, name), runs in sorted(results.items()):
         def p50(key: str) -> float:
             return 1000 * statistics.median(r[key]["p50"] for r in runs)
@@ -67,7 +77,15 @@ def main() -> None:
         rates = sorted(r["output_tok_per_s"] for r in runs)
         print(f"| {concurrency} | {name} | {statistics.median(rates):.1f} | {p50('ttft_s'):.0f} ms | "
               f"{p50('itl_s'):.1f} ms | {p50('e2e_s'):.0f} ms | {rates[0]:.0f}–{rates[-1]:.0f} | "
-              f"{median_of('acceptance_rate')} | {median_of('tokens_per_step')} |")
+              f"{median_of('acceptance_rate')} | {median_of('tokens_per_step')} |" + _ratios(runs, results, concurrency, args.baseline))
+
+
+def _ratios(runs: list[dict], results: dict[tuple[int, str], list[dict]], concurrency: int, baseline: str) -> str:
+    """' **median** (round 0, round 1, ...) |': tokens/s over the baseline's in the same round."""
+    if not baseline:
+        return ""
+    ratios = [r["output_tok_per_s"] / b["output_tok_per_s"] for r, b in zip(runs, results[(concurrency, baseline)])]
+    return f" **{statistics.median(ratios):.2f}** ({', '.join(f'{x:.2f}' for x in ratios)}) |"
 
 
 if __name__ == "__main__":

@@ -1,13 +1,16 @@
 """Speculative decoding on against off, through the whole chain: starts one chain
 per setting side by side (free ports, the bundled model, default dtype), then
 runs bench.interleaved over both for each workload, so the rounds alternate
-and every run has prompts of its own seed:
+and both chains get the same prompts in a round (each round its own seed):
 
     PYTHONPATH=gen:. .venv/bin/python -m bench.speculative --method prompt_lookup \\
         --runs grounded:1:4,random:1:4,random:32:32,grounded:32:32 --rounds 3
 
 Each `workload:streams:requests` prints a table with the medians of output
-tokens/s, latencies, the draft acceptance rate and generated tokens per step.
+tokens/s, latencies, the draft acceptance rate and generated tokens per step,
+and each endpoint's tokens/s over the `off` chain's, round by round.
+`--peer name=url` adds another server to every round (bench/README.md has
+llama-server with and without its lookup decoding).
 """
 from __future__ import annotations
 
@@ -38,6 +41,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--input-len", default="300")
     parser.add_argument("--output-len", default="128")
+    parser.add_argument("--peer", action="append", default=[],
+                        help="name=base_url of another OpenAI-compatible server to interleave with the two chains "
+                             "(a llama-server with and without its lookup decoding, say)")
     args = parser.parse_args()
     log_dir = Path(tempfile.mkdtemp(prefix="bench-speculative-"))
     settings = {
@@ -53,11 +59,13 @@ def main() -> None:
         print(f"chains ready (logs in {log_dir})", file=sys.stderr, flush=True)
         for run in args.runs.split(","):
             workload, streams, requests = run.split(":")
-            command = [sys.executable, "-m", "bench.interleaved", "--workload", workload,
+            command = [sys.executable, "-m", "bench.interleaved", "--workload", workload, "--baseline", "off",
                        "--levels", f"{streams}:{requests}", "--rounds", str(args.rounds),
                        "--input-len", args.input_len, "--output-len", args.output_len]
             for name, chain in chains.items():
                 command += ["--target", f"{name}={chain.url}", "--metrics", f"{name}={chain.metrics_urls['scheduler']}"]
+            for peer in args.peer:
+                command += ["--target", peer]
             subprocess.run(command, check=True)
 
 

@@ -50,10 +50,16 @@ def _records(rng: random.Random, num_words: int) -> str:
     return "\n".join(lines)
 
 
+# Tokens per word of each kind with the bundled model's tokenizer (numbers,
+# times and code punctuation split into several tokens), so that a prompt has
+# about the tokens asked for.
+TOKENS_PER_WORD = {"repeat": 1.7, "edit": 2.15, "extract": 3.3, "json": 2.75}
+
+
 def grounded_prompt(rng: random.Random, input_len: int) -> str:
-    """One prompt of about `input_len` tokens (about 1.6 tokens per word here)."""
-    words = max(10, int(input_len / 1.6))
+    """One prompt of about `input_len` tokens."""
     kind = rng.choice(["repeat", "edit", "extract", "json"])
+    words = max(10, int(input_len / TOKENS_PER_WORD[kind]))
     if kind == "repeat":
         return f"Repeat the following report exactly, word for word.\n\n{_document(rng, words)}"
     if kind == "edit":

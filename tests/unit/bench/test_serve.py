@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from transformers import AutoTokenizer
 
 from bench.grounded import make_grounded_prompts
 from bench.serve import (
@@ -17,6 +18,7 @@ from bench.serve import (
     post_events,
     speculation_figures,
 )
+from services.common.model_files import default_model_path, resolve_model
 
 
 def test_dataset_is_fixed_by_the_seed():
@@ -101,12 +103,14 @@ def test_client_reports_a_refusal_with_its_body():
         asyncio.run(_collect(response))
 
 
-def test_grounded_prompts_are_fixed_by_the_seed_and_hold_their_source():
+def test_grounded_prompts_are_fixed_by_the_seed_and_have_the_tokens_asked_for():
     assert make_grounded_prompts(6, 200, seed=1) == make_grounded_prompts(6, 200, seed=1)
     assert make_grounded_prompts(6, 200, seed=1) != make_grounded_prompts(6, 200, seed=2)
-    for prompt in make_grounded_prompts(12, 200, seed=3):
-        instruction, source = prompt.split("\n\n", 1)
-        assert len(source.split()) >= 100  # about 200 tokens to copy from
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(default_model_path()))
+    prompts = make_grounded_prompts(16, 300, seed=3)
+    assert {prompt.split()[0] for prompt in prompts} == {"Repeat", "Rename", "Copy", "Convert"}
+    for prompt in prompts:  # each kind splits its words into tokens at its own rate
+        assert 270 <= len(tokenizer(prompt)["input_ids"]) <= 340, prompt[:40]
     warm_up, measured = level_prompts(4, 100, seed=0, level=0, workload="grounded")
     assert warm_up not in measured and len(set(measured)) == 4
 

@@ -33,16 +33,17 @@ def _kernel(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> Cpu
 def test_kernel_matches_sdpa(dtype, heads, kv_heads, head_dim, block_size, window):
     torch.manual_seed(heads * head_dim + block_size)
     spec = KVCacheSpec(num_layers=2, num_kv_heads=kv_heads, head_dim=head_dim, block_size=block_size, dtype=dtype)
-    pool = KVCachePool(spec, 64, CPU)
+    pool = KVCachePool(spec, 96, CPU)
     pool.key_cache.normal_()
     pool.value_cache.normal_()
     # (new tokens, cached tokens): decodes of contexts 1, 2, block_size,
     # block_size + 1 and a long one; a fresh 3-token prompt, a fresh 21-token
     # prompt, a 19-token chunk after 30 cached tokens, and a 150-token chunk
     # after 100 (its keys span more than one of the kernel's key blocks), and
-    # a decode with a 4-token draft (5 rows, run as decode rows) after 60.
-    new = [1, 1, 1, 1, 1, 3, 21, 19, 150, 5]
-    computed = [0, 1, block_size - 1, block_size, 3 * block_size + 4, 0, 0, 30, 100, 60]
+    # decodes with drafts of 4 and 11 tokens (5 and 12 rows, run as decode
+    # rows, a task per row) and of 12 (13 rows, a tile) after 60, 40 and 33.
+    new = [1, 1, 1, 1, 1, 3, 21, 19, 150, 5, 12, 13]
+    computed = [0, 1, block_size - 1, block_size, 3 * block_size + 4, 0, 0, 30, 100, 60, 40, 33]
     free = torch.randperm(pool.num_blocks).tolist()
     tables = [[free.pop() for _ in range(-(-(n + c) // block_size))] for n, c in zip(new, computed)]
     steps = [

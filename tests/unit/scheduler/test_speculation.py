@@ -89,7 +89,7 @@ def test_draft_length_follows_acceptance_and_drafting_pauses_when_it_does_not_pa
     assert len(speculator.propose(seq, 10)) == 4  # twice as long after a draft kept whole
     speculator.on_verified(seq, 4, 4)
     assert len(speculator.propose(seq, 10)) == 6  # at most max_draft_tokens
-    for _ in range(6):  # nothing kept: the gain average falls, drafting pauses
+    for _ in range(5):  # nothing kept: the gain average falls, drafting pauses
         speculator.on_verified(seq, 1, 0)
     assert not speculator.wants_draft(seq, 1) and speculator.propose(seq, 10) == []
     seq.output_token_ids = [0] * FIRST_PAUSE_TOKENS  # the pause is over: a probe

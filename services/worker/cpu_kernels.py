@@ -66,6 +66,7 @@ def cpu_has(flag: str) -> bool:
     return flag in _cpu_flags().split()
 
 
+@functools.cache
 def _cpu_flags() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

@@ -155,10 +155,6 @@ int linear_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias,
 #define Q4_GROUP_BYTES 384
 #define Q4_TILE_ROWS 12 /* up to 24 sums, codes, a widened vector, a broadcast, 2 constants */
 
-int64_t q4_packed_bytes(int64_t n, int64_t k) {
-    return n % Q4_BLOCK || k % Q4_GROUP ? -1 : n / Q4_BLOCK * (k / Q4_GROUP) * Q4_GROUP_BYTES;
-}
-
 /* codes [n, k] (0 to 15), scale and low [n, k / 32] -> the layout above; n a
  * multiple of 16, k of 32. */
 void pack_linear_q4(const uint8_t *codes, const float *scale, const float *low, int64_t n, int64_t k,
@@ -192,18 +188,14 @@ INLINE void q4_tile(const uint16_t *x, const float *xsum, const uint8_t *w, cons
                     const uint16_t *residual, uint16_t *out, int64_t n, int64_t k, int rows) {
     const int64_t groups = k / Q4_GROUP;
     const __m512i nibble = _mm512_set1_epi16(15), exponent = _mm512_set1_epi16(0x4300);
+    /* A few rows split their sums over chains, so vdpbf16ps's latency overlaps. */
+    const int chains = rows <= 2 ? 4 : rows <= 4 ? 2 : 1;
     __m512 sum[Q4_TILE_ROWS];
     for (int r = 0; r < rows; r++) sum[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *gw = w + g * Q4_GROUP_BYTES;
-        _mm_prefetch((const char *)(gw + 4 * Q4_GROUP_BYTES), _MM_HINT_T0);
-        _mm_prefetch((const char *)(gw + 4 * Q4_GROUP_BYTES + 64), _MM_HINT_T0);
-        _mm_prefetch((const char *)(gw + 4 * Q4_GROUP_BYTES + 128), _MM_HINT_T0);
-        _mm_prefetch((const char *)(gw + 4 * Q4_GROUP_BYTES + 192), _MM_HINT_T0);
-        _mm_prefetch((const char *)(gw + 4 * Q4_GROUP_BYTES + 256), _MM_HINT_T0);
-        _mm_prefetch((const char *)(gw + 4 * Q4_GROUP_BYTES + 320), _MM_HINT_T0);
-        /* A few rows split their sums over chains, so vdpbf16ps's latency overlaps. */
-        const int chains = rows <= 2 ? 4 : rows <= 4 ? 2 : 1;
+        for (int line = 0; line < Q4_GROUP_BYTES; line += 64) /* the group 4 ahead */
+            _mm_prefetch((const char *)(gw + 4 * Q4_GROUP_BYTES + line), _MM_HINT_T0);
         __m512 part[Q4_TILE_ROWS][4];
         for (int r = 0; r < rows; r++)
             for (int c = 0; c < chains; c++) part[r][c] = _mm512_setzero_ps();
@@ -240,8 +232,9 @@ INLINE void q4_tile(const uint16_t *x, const float *xsum, const uint8_t *w, cons
 /* out [m, n] = x [m, k] @ W.T (+ bias [n]) (+ residual [m, n]) for a weight
  * packed by pack_linear_q4; bias and residual may be NULL, every other array
  * contiguous bfloat16. Returns 0, or -1 when out of memory. Threads take
- * blocks two at a time, every block all rows: from the second tile of rows on
- * a block's weights come from cache. */
+ * runs of consecutive blocks (guided: long runs first, one weight stream the
+ * hardware prefetcher follows), every block all rows: from the second tile of
+ * rows on a block's weights come from cache. */
 int linear_q4(const uint16_t *x, const uint8_t *packed, const uint16_t *bias, const uint16_t *residual,
               uint16_t *out, int64_t m, int64_t n, int64_t k) {
     const int64_t groups = k / Q4_GROUP, blocks = n / Q4_BLOCK;
@@ -378,10 +371,6 @@ int linear_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias,
 typedef int32_t i32x8 __attribute__((vector_size(32)));
 typedef uint16_t u16x8 __attribute__((vector_size(16)));
 
-int64_t q4_packed_bytes(int64_t n, int64_t k) {
-    return n % Q4_BLOCK || k % Q4_GROUP ? -1 : n / Q4_BLOCK * (k / Q4_GROUP) * Q4_GROUP_BYTES;
-}
-
 /* codes [n, k] (0 to 15), scale and low [n, k / 32] -> the layout above; n a
  * multiple of 8, k of 32. */
 void pack_linear_q4(const uint8_t *codes, const float *scale, const float *low, int64_t n, int64_t k,
@@ -491,5 +480,13 @@ int linear_q4(const uint16_t *x, const uint8_t *packed, const uint16_t *bias, co
     free(rows);
     free(xsum);
     return 0;
+}
+#endif
+
+#ifdef Q4_GROUP_BYTES
+/* Bytes of a weight [n, k] packed by this build's pack_linear_q4, or -1 for a
+ * shape its layout does not take. */
+int64_t q4_packed_bytes(int64_t n, int64_t k) {
+    return n % Q4_BLOCK || k % Q4_GROUP ? -1 : n / Q4_BLOCK * (k / Q4_GROUP) * Q4_GROUP_BYTES;
 }
 #endif

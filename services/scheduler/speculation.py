@@ -20,7 +20,9 @@ sequence:
 - an average of the tokens accepted per wait (a wait that found no draft gains
   none) below PAUSE_BELOW pauses drafting for that sequence for a number of
   tokens that doubles with each pause (it plans ahead meanwhile), and a probe
-  after the pause decides again;
+  after the pause decides again. A sequence running alone pauses only below
+  PAUSE_BELOW_ALONE: its wait costs one round trip (about a tenth of a step)
+  and its drafted rows little, where with others a wait splits the batch;
 - under load the step's drafted tokens are capped at `draft_token_budget`
   minus the decoding sequences (each drafted row costs compute once the batch
   is wide), down to none.
@@ -48,6 +50,10 @@ METHODS = ("off", "prompt_lookup", "suffix")
 # without speculation) but cost 6-11 % at 8 streams, where each wait splits the
 # batch (bench/README.md).
 PAUSE_BELOW = 0.5
+# Alone, a fruitless wait costs the round trip and a rejected row (about 2 ms of
+# a 12 ms step on the bundled model) and a kept token saves a step: drafting pays
+# down to about 0.2 tokens kept per wait.
+PAUSE_BELOW_ALONE = 0.15
 EMA_WEIGHT = 0.3
 FIRST_PAUSE_TOKENS = 16
 MAX_PAUSE_TOKENS = 1024
@@ -90,6 +96,7 @@ class Speculator:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.num_waits = 0  # times a sequence was not planned ahead, to draft
+        self._load = 0  # the drafting load of the step planned last (draft_budget)
 
     @property
     def is_on(self) -> bool:
@@ -110,6 +117,7 @@ class Speculator:
         """Drafted tokens a step may carry with `num_running` sequences running."""
         if not self.is_on:
             return 0
+        self._load = num_running
         return max(0, self.config.draft_token_budget - num_running)
 
     def _may_draft(self, seq: Sequence) -> bool:
@@ -154,7 +162,7 @@ class Speculator:
 
     def _learn(self, seq: Sequence, state: DraftState, num_accepted: int) -> None:
         state.gain = (1 - EMA_WEIGHT) * state.gain + EMA_WEIGHT * num_accepted
-        if state.gain < PAUSE_BELOW:
+        if state.gain < (PAUSE_BELOW_ALONE if self._load <= 1 else PAUSE_BELOW):
             state.paused_until = len(seq.output_token_ids) + state.pause_tokens
             state.pause_tokens = min(MAX_PAUSE_TOKENS, state.pause_tokens * 2)
             state.gain = 1.0  # the probe after the pause starts afresh

@@ -16,7 +16,11 @@ sequence:
 
 - after a verification, the next draft is one token longer than what was
   accepted, or twice as long after a fully accepted one (a run of copied text
-  reaches `max_draft_tokens`, the most, in a few steps);
+  reaches `max_draft_tokens`, the most, in a few steps); a sequence running
+  alone drafts up to the most every time (where the continuation's estimated
+  probability holds, drafting.py): beside one sequence's step a drafted row
+  costs a twelfth of it, and a short draft gives up tokens that a long one
+  would have kept;
 - an average of the tokens accepted per wait (a wait that found no draft gains
   none) below PAUSE_BELOW pauses drafting for that sequence for a number of
   tokens that doubles with each pause (it plans ahead meanwhile), and a probe
@@ -156,7 +160,10 @@ class Speculator:
         state = self._states.get(seq.seq_id)
         if state is None:
             return
-        grown = 2 * num_drafted if num_accepted == num_drafted else num_accepted + 1
+        if self._load <= 1:
+            grown = self.config.max_draft_tokens
+        else:
+            grown = 2 * num_drafted if num_accepted == num_drafted else num_accepted + 1
         state.draft_len = max(1, min(self.config.max_draft_tokens, grown))
         self._learn(seq, state, num_accepted)
 

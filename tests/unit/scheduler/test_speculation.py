@@ -82,6 +82,7 @@ def test_draft_length_follows_acceptance_and_drafting_pauses_when_it_does_not_pa
     speculator = Speculator(SpeculationConfig("prompt_lookup", max_draft_tokens=6, draft_token_budget=16))
     seq = make_seq(1, prompt_len=3, max_tokens=500)
     seq.prompt_token_ids = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2]
+    assert speculator.draft_budget(2) == 14  # beside another sequence
     assert speculator.propose(seq, 10) == [3, 4, 5, 6, 7, 8]
     speculator.on_verified(seq, 6, 1)
     assert speculator.propose(seq, 10) == [3, 4]  # one more than kept
@@ -89,7 +90,6 @@ def test_draft_length_follows_acceptance_and_drafting_pauses_when_it_does_not_pa
     assert len(speculator.propose(seq, 10)) == 4  # twice as long after a draft kept whole
     speculator.on_verified(seq, 4, 4)
     assert len(speculator.propose(seq, 10)) == 6  # at most max_draft_tokens
-    assert speculator.wants_draft(seq, 2)  # beside another sequence
     for _ in range(5):  # nothing kept: the gain average falls below PAUSE_BELOW, drafting pauses
         speculator.on_verified(seq, 1, 0)
     assert not speculator.wants_draft(seq, 2) and speculator.propose(seq, 10) == []
@@ -97,15 +97,16 @@ def test_draft_length_follows_acceptance_and_drafting_pauses_when_it_does_not_pa
     assert speculator.wants_draft(seq, 2)
 
 
-def test_a_sequence_alone_drafts_on_through_more_misses():
+def test_a_sequence_alone_drafts_the_most_through_more_misses():
     speculator = Speculator(SpeculationConfig("prompt_lookup", max_draft_tokens=6, draft_token_budget=16))
     seq = make_seq(1, prompt_len=3, max_tokens=500)
     seq.prompt_token_ids = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2]
     assert speculator.wants_draft(seq, 1)
     for _ in range(5):  # the average falls to 0.17: below PAUSE_BELOW, not below PAUSE_BELOW_ALONE
         speculator.on_verified(seq, 1, 0)
-    assert speculator.wants_draft(seq, 1) and speculator.propose(seq, 10) == [3]
-    speculator.on_verified(seq, 1, 0)  # 0.12
+    # and drafts the most after each miss
+    assert speculator.wants_draft(seq, 1) and speculator.propose(seq, 10) == [3, 4, 5, 6, 7, 8]
+    speculator.on_verified(seq, 6, 0)  # 0.12
     assert not speculator.wants_draft(seq, 1) and speculator.propose(seq, 10) == []
 
 

@@ -40,7 +40,7 @@ from services.worker import attention
 from services.worker.kv_cache import KVCachePool, KVCacheSpec
 from services.worker.model_runner import ModelRunner
 from services.worker.platforms import select_platform, torch_dtype
-from services.worker.platforms.cuda import CudaPlatform, VarlenAttention, pages_fit
+from services.worker.platforms.cuda import CudaPlatform, VarlenAttention, missing_paged_arguments, pages_fit
 from services.worker.sequence import SamplingParams
 from tests.gpu.models import check_model
 from tests.unit.worker.block_tables import BlockTables
@@ -54,8 +54,6 @@ needs_cuda = pytest.mark.skipif(not HAVE_CUDA, reason="needs a CUDA GPU (bench/g
 needs_model_device = pytest.mark.skipif(MODEL_DEVICE == "cuda" and not HAVE_CUDA,
                                         reason="needs a CUDA GPU (bench/gpu_check.sh)")
 
-# The arguments VarlenAttention passes beyond torch 2.11's varlen_attn.
-PAGED_ARGUMENTS = ("block_table", "seqused_k", "enable_gqa", "window_size")
 
 
 def report(request, **figures) -> None:
@@ -75,14 +73,12 @@ def varlen_attn():
 
 def require_paged_varlen() -> None:
     """Fail (not skip) where this torch's varlen_attn cannot read the paged pool."""
-    parameters = inspect.signature(varlen_attn()).parameters
-    missing = [name for name in PAGED_ARGUMENTS if name not in parameters]
+    missing = missing_paged_arguments()
     if missing:
         pytest.fail(
             f"torch {torch.__version__}: torch.nn.attention.varlen.varlen_attn{inspect.signature(varlen_attn())} "
             f"has no {', '.join(missing)}. The CUDA platform's paged flash attention (VarlenAttention, written "
-            "against torch 2.13) cannot run on it: a half-precision pool of 256-token pages fails at its first "
-            "step", pytrace=False)
+            "against torch 2.13) cannot run on it: the platform attends through SDPA instead", pytrace=False)
 
 
 # ---------------------------------------------------------------- attention

@@ -12,10 +12,12 @@ decodes. Other pools attend through attention.py's SDPA path over gathered
 K/V, which is also the oracle the plumbing here is tested against (on CPU,
 with a reference of varlen_attn's semantics: tests/unit/worker/test_cuda_attention.py).
 
-Not exercised on a GPU in this repository.
+Where torch's varlen_attn lacks the paged arguments (torch 2.11 has no
+block_table, seqused_k or enable_gqa), every pool attends through SDPA.
 """
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,6 +32,8 @@ log = logging.getLogger(__name__)
 
 PAGE_SIZE_MULTIPLE = 256
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
+# What VarlenAttention passes beyond a plain varlen_attn (torch 2.11's has none of the first three).
+PAGED_ARGUMENTS = ("block_table", "seqused_k", "enable_gqa", "window_size")
 
 
 @dataclass(frozen=True)
@@ -80,9 +84,19 @@ class VarlenAttention:
         )
 
 
+def missing_paged_arguments() -> list[str]:
+    """What this torch's varlen_attn lacks of PAGED_ARGUMENTS (all of them where it has none)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return list(PAGED_ARGUMENTS)
+    parameters = inspect.signature(varlen_attn).parameters
+    return [name for name in PAGED_ARGUMENTS if name not in parameters]
+
+
 def pages_fit(block_size: int, dtype: torch.dtype) -> bool:
-    """Whether flash attention's paged varlen path takes this pool."""
-    return block_size % PAGE_SIZE_MULTIPLE == 0 and dtype in FLASH_DTYPES
+    """Whether flash attention's paged varlen path takes this pool (with this torch)."""
+    return block_size % PAGE_SIZE_MULTIPLE == 0 and dtype in FLASH_DTYPES and not missing_paged_arguments()
 
 
 class CudaPlatform(Platform):
@@ -100,6 +114,11 @@ class CudaPlatform(Platform):
 
     def paged_attention(self, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
                         block_size: int) -> VarlenAttention | None:
+        missing = missing_paged_arguments()
+        if missing:
+            log.warning("torch %s's varlen_attn has no %s: attention runs through SDPA over gathered K/V",
+                        torch.__version__, ", ".join(missing))
+            return None
         if not pages_fit(block_size, dtype):
             log.warning("flash attention pages %s pools by multiples of %d tokens; %s with %d-token blocks "
                         "attends through SDPA", FLASH_DTYPES, PAGE_SIZE_MULTIPLE, dtype, block_size)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.nn.attention.varlen import varlen_attn
 
-from services.worker.platforms.cuda import CudaPlatform, VarlenAttention
+from services.worker.platforms.cuda import CudaPlatform, VarlenAttention, missing_paged_arguments, pages_fit
 from tests.unit.worker.paged_oracle import assert_matches_sdpa
 
 CPU = torch.device("cpu")
@@ -86,3 +86,18 @@ def test_flash_pages_by_multiples_of_256_in_half_precision():
     assert cuda.paged_attention(torch.bfloat16, 8, 2, 64, 16) is None  # SDPA over gathered K/V
     assert cuda.paged_attention(torch.bfloat16, 8, 2, 64, 128) is None
     assert cuda.paged_attention(torch.float32, 8, 2, 64, 256) is None
+
+
+def test_a_torch_without_paged_varlen_attends_through_sdpa(monkeypatch):
+    """torch 2.11's varlen_attn takes no block_table, seqused_k or enable_gqa: the
+    platform must not hand it a paged pool (it would fail at the first step)."""
+    import torch.nn.attention.varlen as varlen
+
+    def older_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                          window_size=(-1, -1)):
+        raise AssertionError("not to be called")
+
+    monkeypatch.setattr(varlen, "varlen_attn", older_varlen_attn)
+    assert missing_paged_arguments() == ["block_table", "seqused_k", "enable_gqa"]
+    assert not pages_fit(256, torch.bfloat16)
+    assert CudaPlatform(torch.device("cuda")).paged_attention(torch.bfloat16, 8, 2, 64, 256) is None

@@ -19,7 +19,7 @@ sequence:
   reaches `max_draft_tokens`, the most, in a few steps); a sequence running
   alone drafts up to the most every time (where the continuation's estimated
   probability holds, drafting.py): beside one sequence's step a drafted row
-  costs a twelfth of it, and a short draft gives up tokens that a long one
+  costs about a tenth of it, and a short draft gives up tokens that a long one
   would have kept;
 - an average of the tokens accepted per wait (a wait that found no draft gains
   none) below PAUSE_BELOW pauses drafting for that sequence for a number of

@@ -124,6 +124,11 @@ class Speculator:
         self._load = num_running
         return max(0, self.config.draft_token_budget - num_running)
 
+    @property
+    def _alone(self) -> bool:
+        """Whether the step planned last drafts for one sequence alone (no batch to split)."""
+        return self._load <= 1
+
     def _may_draft(self, seq: Sequence) -> bool:
         if not is_eligible(seq):
             return False
@@ -160,7 +165,7 @@ class Speculator:
         state = self._states.get(seq.seq_id)
         if state is None:
             return
-        if self._load <= 1:
+        if self._alone:
             grown = self.config.max_draft_tokens
         else:
             grown = 2 * num_drafted if num_accepted == num_drafted else num_accepted + 1
@@ -169,7 +174,7 @@ class Speculator:
 
     def _learn(self, seq: Sequence, state: DraftState, num_accepted: int) -> None:
         state.gain = (1 - EMA_WEIGHT) * state.gain + EMA_WEIGHT * num_accepted
-        if state.gain < (PAUSE_BELOW_ALONE if self._load <= 1 else PAUSE_BELOW):
+        if state.gain < (PAUSE_BELOW_ALONE if self._alone else PAUSE_BELOW):
             state.paused_until = len(seq.output_token_ids) + state.pause_tokens
             state.pause_tokens = min(MAX_PAUSE_TOKENS, state.pause_tokens * 2)
             state.gain = 1.0  # the probe after the pause starts afresh

@@ -44,7 +44,7 @@ from services.worker.platforms.cuda import CudaPlatform, VarlenAttention, missin
 from services.worker.sequence import SamplingParams
 from tests.gpu.models import check_model
 from tests.unit.worker.block_tables import BlockTables
-from tests.unit.worker.test_speculative import PROMPT, draft_decode
+from tests.unit.worker.test_speculative import draft_decode, plain_decode
 
 CPU = torch.device("cpu")
 CUDA = torch.device("cuda")
@@ -372,24 +372,6 @@ def test_greedy_decoding_matches_the_cpu_float32_runner(request, model, referenc
                                       f"prompt {p}")
 
 
-def plain_decode_with_margins(runner: ModelRunner, tables: BlockTables, seq_id: int,
-                              num_tokens: int) -> tuple[list[int], list[float]]:
-    """test_speculative's plain decoding of its PROMPT, greedy, with each position's
-    log-probability gap between the best and the second-best token."""
-    sampling = SamplingParams(temperature=0.0, top_logprobs=2)
-    outputs, margins = [], []
-    feed, computed = list(PROMPT), 0
-    for _ in range(num_tokens):
-        token = runner.step([tables.feed(seq_id, feed, computed, True, sampling if computed == 0 else None)]).tokens[0]
-        computed += len(feed)
-        outputs.append(token.token_id)
-        margins.append(token.top_logprobs[0].logprob - token.top_logprobs[1].logprob)
-        feed = [token.token_id]
-    runner.release(seq_id)
-    tables.release(seq_id)
-    return outputs, margins
-
-
 DRAFT_SETTINGS = [*SETTINGS, ("float16", 256)]
 
 
@@ -401,7 +383,10 @@ def test_drafted_decoding_gives_the_tokens_of_plain_decoding(request, device_run
     runner = device_runner(dtype, block_size)
     tables = BlockTables(runner)
     vocab = runner.vocab_size
-    expected, margins = plain_decode_with_margins(runner, tables, 1, 24)
+    # Greedy, with each position's log-probability gap between the best and the second-best token.
+    plain = plain_decode(runner, tables, 1, SamplingParams(temperature=0.0, top_logprobs=2), 24)
+    expected = [token.token_id for token in plain]
+    margins = [token.top_logprobs[0].logprob - token.top_logprobs[1].logprob for token in plain]
     guesses = {
         "partly kept": lambda o: (expected[len(o):len(o) + 3]
                                   + [(t + 1) % vocab for t in expected[len(o) + 3:len(o) + 5]]),

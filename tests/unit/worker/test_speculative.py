@@ -10,20 +10,21 @@ import pytest
 
 from services.common.errors import ServiceError
 from services.worker.model_runner import ModelRunner
-from services.worker.sequence import SamplingParams
+from services.worker.sequence import SampledToken, SamplingParams
 from tests.unit.worker.block_tables import BlockTables
 
 PROMPT = [504, 3458, 282, 4649, 314, 3575, 30, 378, 3458, 282, 4649, 314]  # ordinary text tokens
 
 
 def plain_decode(runner: ModelRunner, tables: BlockTables, seq_id: int, sampling: SamplingParams,
-                 num_tokens: int) -> list[int]:
-    outputs: list[int] = []
+                 num_tokens: int) -> list[SampledToken]:
+    """PROMPT decoded one token a step: each step's sampled token (logprobs as `sampling` asks)."""
+    outputs: list[SampledToken] = []
     feed, computed = list(PROMPT), 0
     for _ in range(num_tokens):
         token = runner.step([tables.feed(seq_id, feed, computed, True, sampling if computed == 0 else None)]).tokens[0]
         computed += len(feed)
-        outputs.append(token.token_id)
+        outputs.append(token)
         feed = [token.token_id]
     runner.release(seq_id)
     tables.release(seq_id)
@@ -55,7 +56,7 @@ def draft_decode(runner: ModelRunner, tables: BlockTables, seq_id: int, sampling
 @pytest.mark.parametrize("sampling", [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, seed=7),
                                       SamplingParams(temperature=1.0, top_k=20, top_p=0.9, seed=3)])
 def test_drafted_decoding_gives_the_tokens_of_plain_decoding(runner, tables, sampling):
-    expected = plain_decode(runner, tables, 1, sampling, 24)
+    expected = [token.token_id for token in plain_decode(runner, tables, 1, sampling, 24)]
 
     def guess(outputs):  # right for three tokens, then wrong: partly kept drafts
         n = len(outputs)

@@ -18,23 +18,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import statistics
 import time
 import traceback
 
 import torch
 
+from bench.step_time import step_figures
 from services.worker.model_runner import ModelRunner
 from services.worker.platforms import select_platform
 from services.worker.sequence import SamplingParams, SequenceInput
 from tests.gpu.models import check_model
-
-
-def _ms(samples: list[float]) -> dict:
-    ordered = sorted(samples)
-    return {"median_ms": round(statistics.median(ordered) * 1e3, 3),
-            "p90_ms": round(ordered[math.ceil(0.9 * len(ordered)) - 1] * 1e3, 3)}
 
 
 class Steps:
@@ -61,7 +54,7 @@ class Steps:
             if rep >= self.args.warm_up:
                 samples.append(elapsed)
             after(result)
-        return _ms(samples)
+        return step_figures(samples)
 
     def prefill(self) -> dict:
         seq_ids = iter(range(10_000, 20_000))

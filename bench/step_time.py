@@ -30,7 +30,8 @@ except ImportError:  # a tree from before the platform objects
     from services.worker.backend import select_backend as select_platform
 
 
-def _ms(samples: list[float]) -> dict:
+def step_figures(samples: list[float]) -> dict:
+    """Median and nearest-rank p90 of step times in seconds, as milliseconds."""
     ordered = sorted(samples)
     p90 = ordered[math.ceil(0.9 * len(ordered)) - 1]  # nearest rank
     return {"median_ms": statistics.median(ordered) * 1e3, "p90_ms": p90 * 1e3}
@@ -100,7 +101,7 @@ def main() -> None:
         if rep:
             decode.append(time.perf_counter() - started)
         last = {t.seq_id: t.token_id for t in result.tokens}
-    print(json.dumps({"dtype": runner.dtype_name, "prefill": _ms(prefill), "decode": _ms(decode)}), flush=True)
+    print(json.dumps({"dtype": runner.dtype_name, "prefill": step_figures(prefill), "decode": step_figures(decode)}), flush=True)
     if group is not None:
         group.close()
 

@@ -28,36 +28,14 @@ from services.scheduler.speculation import METHODS, SpeculationConfig, Speculato
 
 def record(workload: str, num_prompts: int, input_len: int, output_len: int, seed: int) -> list[dict]:
     """Prompt and greedy answer token ids, through the scheduler's policy and the worker's runner."""
-    from transformers import AutoTokenizer
-
-    from bench.engine import run_level
-    from services.common.model_files import default_model_path, resolve_model
-    from services.scheduler.plan import WorkerCapacity
+    from bench.engine import chat_prompt_ids, load_engine, run_level
     from services.scheduler.policy import BatchPolicy
-    from services.worker.model_runner import ModelRunner
-    from services.worker.platforms import select_platform
 
-    model_dir = resolve_model(default_model_path())
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    platform = select_platform("cpu")
-    runner = ModelRunner(model_dir, platform, platform.resolve_dtype("auto"), 16, 512 * 2**20, 64)
-    runner.warm_up()
-    info = runner.describe()
-    capacity = WorkerCapacity(info.num_kv_blocks, info.block_size, info.max_batch_size,
-                              frozenset(info.eos_token_ids))
+    tokenizer, runner, capacity = load_engine(kv_cache_bytes=512 * 2**20)
     _, prompts = level_prompts(num_prompts, input_len, seed, 0, workload)
-    prompt_ids = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                                return_dict=True)["input_ids"] for p in prompts]
     policy = BatchPolicy(capacity, 64, 1024, Speculator(SpeculationConfig("off")))
     admitted: list[Sequence] = []
-    add_group = policy.add_group
-
-    def keep(group: list[Sequence]) -> None:
-        admitted.extend(group)
-        add_group(group)
-
-    policy.add_group = keep  # type: ignore[method-assign]
-    run_level(runner, policy, prompt_ids, 4, output_len, itertools.count(1))
+    run_level(runner, policy, chat_prompt_ids(tokenizer, prompts), 4, output_len, itertools.count(1), admitted)
     return [{"prompt": seq.prompt_token_ids, "output": seq.output_token_ids} for seq in admitted]
 
 

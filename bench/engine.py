@@ -36,9 +36,31 @@ def _now_us() -> int:
     return time.perf_counter_ns() // 1000
 
 
+def load_engine(model_path: str = "", dtype: str = "auto", block_size: int = 16, kv_cache_bytes: int = 0,
+                max_batch_size: int = 64, max_seq_len: int = 2560):
+    """(tokenizer, warmed-up CPU ModelRunner, the WorkerCapacity the scheduler sees) of a model
+    (an HF directory or .gguf; empty = the bundled one)."""
+    model_dir = resolve_model(model_path or default_model_path())
+    platform = select_platform("cpu")
+    runner = ModelRunner(model_dir, platform, platform.resolve_dtype(dtype), block_size, kv_cache_bytes,
+                         max_batch_size, max_seq_len)
+    runner.warm_up()
+    info = runner.describe()
+    capacity = WorkerCapacity(info.num_kv_blocks, info.block_size, info.max_batch_size,
+                              frozenset(info.eos_token_ids))
+    return AutoTokenizer.from_pretrained(model_dir), runner, capacity
+
+
+def chat_prompt_ids(tokenizer, prompts: list[str]) -> list[list[int]]:
+    """Each prompt as the one user message of a chat, templated as the chain templates it."""
+    return [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                          return_dict=True)["input_ids"] for p in prompts]
+
+
 def run_level(runner: ModelRunner, policy: BatchPolicy, prompts: list[list[int]], concurrency: int,
-              output_len: int, ids: itertools.count) -> dict:
-    """Closed loop: `concurrency` requests in flight, a new one as soon as one ends."""
+              output_len: int, ids: itertools.count, admitted: list[Sequence] | None = None) -> dict:
+    """Closed loop: `concurrency` requests in flight, a new one as soon as one ends.
+    `admitted`, when given, gets every sequence as it is admitted."""
     greedy = SamplingParams(temperature=0.0)
     stopping = StoppingCriteria(max_tokens=output_len, ignore_eos=True)
     progress = Progress(len(prompts), f"concurrency {concurrency}")
@@ -51,6 +73,8 @@ def run_level(runner: ModelRunner, policy: BatchPolicy, prompts: list[list[int]]
 
     def admit() -> None:
         seq = Sequence(next(ids), "bench", pending.pop(0), greedy, stopping, _now_us())
+        if admitted is not None:
+            admitted.append(seq)
         arrival_us[seq.seq_id] = seq.arrival_us
         policy.add_group([seq])
 
@@ -109,25 +133,14 @@ def main() -> None:
     args = parser.parse_args()
     speculation = SpeculationConfig(args.speculative_method, args.speculative_max_draft_tokens)
 
-    model_dir = resolve_model(args.model_path or default_model_path())
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    backend = select_platform("cpu")
-    runner = ModelRunner(model_dir, backend, backend.resolve_dtype(args.dtype), args.cache_block_size,
-                         args.kv_cache_mib * 2**20, args.max_batch_size, args.max_seq_len)
-    runner.warm_up()
-    info = runner.describe()
-    capacity = WorkerCapacity(info.num_kv_blocks, info.block_size, info.max_batch_size,
-                              frozenset(info.eos_token_ids))
+    tokenizer, runner, capacity = load_engine(args.model_path, args.dtype, args.cache_block_size,
+                                              args.kv_cache_mib * 2**20, args.max_batch_size, args.max_seq_len)
     ids = itertools.count(1)
     levels = []
     for index, c in enumerate(filter(None, args.concurrency.split(","))):
         # The chat-templated prompts and warm-up request bench.serve sends at this level.
         warm_up, prompts = level_prompts(args.num_requests, args.input_len, args.seed, index, args.workload)
-        warm_up, *prompts = [
-            tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                          return_dict=True)["input_ids"]
-            for p in [warm_up, *prompts]
-        ]
+        warm_up, *prompts = chat_prompt_ids(tokenizer, [warm_up, *prompts])
         policy = BatchPolicy(capacity, args.max_batch_size, args.max_prefill_tokens, Speculator(speculation))
         run_level(runner, policy, [warm_up], 1, args.output_len, ids)
         levels.append(run_level(runner, policy, prompts, int(c), args.output_len, ids))

@@ -28,7 +28,7 @@ pod's environment is its MACHINE_ENV and nothing else; the harness refuses to
 let it replace anything the chart sets. A Deployment left to its
 HorizontalPodAutoscaler runs one pod. The pods' cache starts with links to
 what this machine has already converted and built (seed_cache). The root
-filesystem is not made read-only (tests/deploy/test_chart.py checks that
+filesystem is not made read-only (tests/deploy/test_chart_pods.py checks that
 the code writes only where the chart mounts emptyDirs)."""
 from __future__ import annotations
 

@@ -28,12 +28,16 @@
 #define TILE 16     /* query rows per prefill task */
 #define KEY_BLOCK 128 /* keys converted to float32 at a time */
 /* Tiles of at most this many rows (a decode with a speculative draft, a prompt's
- * last few rows) run as decode rows where the vdpbf16ps row path exists. One
- * sequence over 400 keys, the bundled model's 30 layers: 2 rows took 1.7 ms as
- * decode rows against 3.7 as a tile, 4 rows 2.4 against 4.1 (2 threads); 9 rows
- * 6.4 against 7.6, 12 rows 8.5 against 9.6 (1 thread); a full tile of 16 rows is
- * faster as a tile (10.8 against 11.4, and 1.4 times in a 400-token prefill). */
+ * last few rows) run on the vdpbf16ps row paths where they exist: one row per
+ * task, or a few rows together (attend_rows_dp) where they make at least
+ * ROWS_DP_QUERIES queries. One sequence over 560 keys, the bundled model's 30
+ * layers (9 query heads, 3 KV heads), 2 threads, Zen 4: 9 rows took 2.7 ms
+ * together against 4.0 one per task, 5 rows 2.0 against 2.5, 4 rows 1.8
+ * against 2.1; 3 rows 1.75 either way, and 2 rows 1.5 together against 1.3.
+ * Against a tile (attend_tile), one row per task was faster up to 12 rows, a
+ * full tile of 16 rows faster as a tile (and 1.4 times in a 400-token prefill). */
 #define ROWS_AS_DECODES 12
+#define ROWS_DP_QUERIES 12
 
 /* The first key a query at `position` sees: 0, or the start of its sliding window. */
 INLINE int64_t first_key(int64_t position, int64_t window) {
@@ -177,6 +181,10 @@ INLINE void attend_row(const void *q, const void *key, const void *value, const 
     for (int64_t c = 0; c < group * chunks; c++) store16(acc[c], out, q_index + c * LANES, bf16);
 }
 
+typedef void (*rows_dp_fn)(const uint16_t *q, const uint16_t *key, const uint16_t *value, const int64_t *table,
+                           uint16_t *out, int64_t row0, int64_t rows, int64_t pos0, int64_t h, int64_t num_heads,
+                           int64_t num_kv_heads, int64_t block_size, int64_t group, float scale, int64_t window,
+                           float *scratch);
 typedef void (*row_dp_fn)(const uint16_t *q, const uint16_t *key, const uint16_t *value, const int64_t *table,
                           uint16_t *out, int64_t row0, int64_t pos0, int64_t h, int64_t num_heads,
                           int64_t num_kv_heads, int64_t block_size, int64_t group, float scale, int64_t window,
@@ -199,14 +207,14 @@ INLINE void prefetch_row(const uint16_t *row, int64_t head_dim) {
     for (int64_t b = 0; b < head_dim * 2; b += 64) __builtin_prefetch((const char *)row + b, 0, 1);
 }
 
-/* Heads [g0, g0 + count) of a decode row: the weighted sum of the value rows
- * (bfloat16, converted once per row in registers), written to `out`. */
-INLINE void sum_values(const uint16_t *value, const int64_t *rows, const float *weights, int64_t stride, int64_t n,
-                       int64_t g0, int64_t count, int64_t chunks, uint16_t *out, int64_t out_index) {
-    const int64_t head_dim = chunks * LANES;
+/* The weighted sums of the value rows (bfloat16, converted once per row in
+ * registers) for `count` queries: acc[i] = sum over keys j < n of
+ * weights[i * query_stride + j * key_stride] * V[j], float32. */
+INLINE void sum_values(const uint16_t *value, const int64_t *rows, const float *weights, int64_t query_stride,
+                       int64_t key_stride, int64_t n, int64_t count, int64_t chunks, f32x16 acc[4][8]) {
     /* Fixed sizes (count <= 4, chunks <= 8), used up to count x chunks: with the
      * loops unrolled they live in registers, where a variable-length array would not. */
-    f32x16 acc[4][8], v[8];
+    f32x16 v[8];
 #pragma GCC unroll 4
     for (int64_t i = 0; i < count; i++)
 #pragma GCC unroll 8
@@ -216,15 +224,11 @@ INLINE void sum_values(const uint16_t *value, const int64_t *rows, const float *
         for (int64_t c = 0; c < chunks; c++) v[c] = load16(value, rows[j] + c * LANES, 1);
 #pragma GCC unroll 4
         for (int64_t i = 0; i < count; i++) {
-            const float w = weights[(g0 + i) * stride + j];
+            const float w = weights[i * query_stride + j * key_stride];
 #pragma GCC unroll 8
             for (int64_t c = 0; c < chunks; c++) acc[i][c] += w * v[c];
         }
     }
-#pragma GCC unroll 4
-    for (int64_t i = 0; i < count; i++)
-#pragma GCC unroll 8
-        for (int64_t c = 0; c < chunks; c++) store16(acc[i][c], out, out_index + (g0 + i) * head_dim + c * LANES, 1);
 }
 
 /* Decode rows of a bfloat16 pool on a CPU with AVX512_BF16, head_dim a
@@ -283,12 +287,17 @@ INLINE void attend_row_dp(const uint16_t *q, const uint16_t *key, const uint16_t
     const int64_t most = chunks <= 4 ? 4 : 2;
     for (int64_t g = 0, count; g < group; g += count) {
         count = MIN(most, group - g);
+        f32x16 acc[4][8];
+        const float *weights = scores + g * stride;
         switch (count) { /* constant counts, so that each call unrolls */
-            case 4: sum_values(value, rows, scores, stride, n, g, 4, chunks, out, q_index); break;
-            case 3: sum_values(value, rows, scores, stride, n, g, 3, chunks, out, q_index); break;
-            case 2: sum_values(value, rows, scores, stride, n, g, 2, chunks, out, q_index); break;
-            default: sum_values(value, rows, scores, stride, n, g, 1, chunks, out, q_index);
+            case 4: sum_values(value, rows, weights, stride, 1, n, 4, chunks, acc); break;
+            case 3: sum_values(value, rows, weights, stride, 1, n, 3, chunks, acc); break;
+            case 2: sum_values(value, rows, weights, stride, 1, n, 2, chunks, acc); break;
+            default: sum_values(value, rows, weights, stride, 1, n, 1, chunks, acc);
         }
+        for (int64_t i = 0; i < count; i++)
+#pragma GCC unroll 8
+            for (int64_t c = 0; c < chunks; c++) store16(acc[i][c], out, q_index + (g + i) * head_dim + c * LANES, 1);
     }
 }
 
@@ -407,6 +416,115 @@ INLINE void score_tile_dp(const uint16_t *q, const uint16_t *key, const int64_t 
 }
 #endif
 
+#if HAVE_ROW_DP
+/* The running maxima `top` (lane i: query i) taken over keys [from, to), each
+ * query's only where lo <= key <= hi. */
+INLINE __m512 masked_top(const f32x16 *st, int64_t from, int64_t to, i32x16 lo, i32x16 hi, __m512 top) {
+    for (int64_t j = from; j < to; j++) {
+        const i32x16 in = ((int32_t)j >= lo) & ((int32_t)j <= hi);
+        top = (__m512)select16(in & (st[j] > (f32x16)top), st[j], (f32x16)top);
+    }
+    return top;
+}
+
+/* A few rows of one sequence (a decode and its draft) on vdpbf16ps, every key
+ * read once for all of them: rows [row0, row0 + rows) at positions pos0,
+ * pos0 + 1, ..., times the `group` query heads of KV head h, at most 16
+ * queries, one per lane. Scores take score_pairs's layout (each key's pairs
+ * broadcast against the queries' pairs) for 8 keys at a time, and the softmax
+ * runs for every query at once, each over its own causal range. */
+INLINE void attend_rows_dp(const uint16_t *q, const uint16_t *key, const uint16_t *value, const int64_t *table,
+                           uint16_t *out, int64_t row0, int64_t rows, int64_t pos0, int64_t h, int64_t num_heads,
+                           int64_t num_kv_heads, int64_t block_size, int64_t group, int64_t chunks, float scale,
+                           int64_t window, float *scratch) {
+    const int64_t head_dim = chunks * LANES, pairs = head_dim / 2, queries = rows * group;
+    const int64_t last = pos0 + rows - 1, first = first_key(pos0, window), n = last + 1 - first;
+    const int64_t padded = (n + 7) / 8 * 8;
+    int32_t *qp = (int32_t *)scratch;              /* [pairs][16]: the queries' bfloat16 pairs */
+    f32x16 *st = (f32x16 *)(qp + pairs * LANES);   /* [padded]: scores, then weights; lane i = query i */
+    int64_t *krows = (int64_t *)(st + padded);     /* [padded]: each key's element offset in K and V */
+
+    memset(qp, 0, sizeof(int32_t) * (size_t)(pairs * LANES));
+    for (int64_t i = 0; i < queries; i++) {
+        const int64_t index = ((row0 + i / group) * num_heads + h * group + i % group) * head_dim;
+        for (int64_t p = 0; p < pairs; p++) memcpy(qp + p * LANES + i, q + index + 2 * p, sizeof(int32_t));
+    }
+    key_rows(table, first, n, h, num_kv_heads, block_size, head_dim, krows);
+    for (int64_t j = n; j < padded; j++) krows[j] = krows[n - 1];
+    for (int64_t j = 0; j < MIN(4 * 8, n); j++) prefetch_row(key + krows[j], head_dim);
+    for (int64_t j0 = 0; j0 < n; j0 += 8) {
+        for (int64_t j = j0; j < MIN(j0 + 8, n); j++) {
+            if (j + 4 * 8 < n) prefetch_row(key + krows[j + 4 * 8], head_dim);
+            prefetch_row(value + krows[j], head_dim);
+        }
+        __m512 a[8];
+#pragma GCC unroll 8
+        for (int64_t k = 0; k < 8; k++) a[k] = _mm512_setzero_ps();
+        for (int64_t p = 0; p < pairs; p++) {
+            const __m512bh qv = (__m512bh)_mm512_load_si512(qp + p * LANES);
+#pragma GCC unroll 8
+            for (int64_t k = 0; k < 8; k++) {
+                int32_t pair;
+                memcpy(&pair, key + krows[j0 + k] + 2 * p, sizeof pair);
+                a[k] = _mm512_dpbf16_ps(a[k], qv, (__m512bh)_mm512_set1_epi32(pair));
+            }
+        }
+#pragma GCC unroll 8
+        for (int64_t k = 0; k < 8; k++) st[j0 + k] = (f32x16)a[k] * scale;
+    }
+    /* Each query's keys, relative to first (lanes past the queries take the
+     * last one's). All of them see keys [shared_lo, shared_hi]: the softmax
+     * masks only the keys before and after. */
+    i32x16 lo, hi;
+    for (int64_t i = 0; i < LANES; i++) {
+        const int64_t r = MIN(i, queries - 1) / group;
+        lo[i] = (int32_t)(first_key(pos0 + r, window) - first);
+        hi[i] = (int32_t)(pos0 + r - first);
+    }
+    const int64_t shared_lo = first_key(last, window) - first, shared_hi = pos0 - first;
+    const __m512 zero = _mm512_setzero_ps();
+    __m512 tops[4] = {zero - 3.0e38f, zero - 3.0e38f, zero - 3.0e38f, zero - 3.0e38f}; /* independent maxima */
+    int64_t j = shared_lo;
+    for (; j + 4 <= shared_hi + 1; j += 4)
+        for (int64_t k = 0; k < 4; k++) tops[k] = _mm512_max_ps(tops[k], (__m512)st[j + k]);
+    tops[0] = masked_top(st, 0, shared_lo, lo, hi, tops[0]);
+    tops[0] = masked_top(st, j, n, lo, hi, tops[0]); /* the shared keys left over, and the keys after them */
+    const f32x16 top = (f32x16)_mm512_max_ps(_mm512_max_ps(tops[0], tops[1]), _mm512_max_ps(tops[2], tops[3]));
+    f32x16 total = (f32x16)zero;
+    for (j = 0; j < n; j++) {
+        const f32x16 e = exp16(st[j] - top);
+        const i32x16 in = ((int32_t)j >= lo) & ((int32_t)j <= hi);
+        st[j] = j >= shared_lo && j <= shared_hi ? e : select16(in, e, (f32x16)zero);
+        total += st[j];
+    }
+    const f32x16 inverse = 1.0f / total;
+    /* Value sums, 4 queries at a time (the last pass may sum lanes past the queries). */
+    for (int64_t i0 = 0; i0 < queries; i0 += 4) {
+        f32x16 acc[4][8];
+        sum_values(value, krows, (const float *)st + i0, 1, LANES, n, 4, chunks, acc);
+        for (int64_t i = i0; i < MIN(i0 + 4, queries); i++) {
+            const int64_t index = ((row0 + i / group) * num_heads + h * group + i % group) * head_dim;
+#pragma GCC unroll 8
+            for (int64_t c = 0; c < chunks; c++) store16(acc[i - i0][c] * inverse[i], out, index + c * LANES, 1);
+        }
+    }
+}
+
+#define ROWS_DP(CHUNKS)                                                                                         \
+    static __attribute__((noinline)) void attend_rows_dp_##CHUNKS(                                              \
+        const uint16_t *q, const uint16_t *key, const uint16_t *value, const int64_t *table, uint16_t *out,    \
+        int64_t row0, int64_t rows, int64_t pos0, int64_t h, int64_t num_heads, int64_t num_kv_heads,          \
+        int64_t block_size, int64_t group, float scale, int64_t window, float *scratch) {                      \
+        attend_rows_dp(q, key, value, table, out, row0, rows, pos0, h, num_heads, num_kv_heads, block_size,   \
+                       group, CHUNKS, scale, window, scratch);                                                 \
+    }
+ROWS_DP(2)
+ROWS_DP(4)
+ROWS_DP(6)
+ROWS_DP(8)
+#undef ROWS_DP
+#endif
+
 /* A prefill tile: `rows` query rows from packed row `row0` on, at positions
  * pos0, pos0 + 1, ..., times the `group` query heads of KV head h. The tile's
  * queries lie across vector lanes (query i in lane i % 16 of vector i / 16),
@@ -495,21 +613,34 @@ INLINE void attend_tile(const void *q, const void *key, const void *value, const
     }
 }
 
+/* Rows per task for a sequence with `rows` new rows: a tile of TILE rows; or,
+ * where the vdpbf16ps row paths run them (have_dp, at most ROWS_AS_DECODES
+ * rows), as few tasks as hold the queries (rows times group) in 16 lanes
+ * each, evenly (9 rows of 3 heads: 5 and 4), or one row per task below
+ * ROWS_DP_QUERIES queries. */
+INLINE int64_t task_rows(int64_t rows, int64_t group, int have_dp) {
+    if (!have_dp || rows > ROWS_AS_DECODES) return TILE;
+    if (rows * group < ROWS_DP_QUERIES) return 1;
+    const int64_t most = LANES / group, tasks = (rows + most - 1) / most;
+    return (rows + tasks - 1) / tasks;
+}
+
 INLINE int paged_attention(const void *q, const void *key, const void *value, const int64_t *block_tables,
                            const int64_t *starts, const int64_t *num_new, const int64_t *context_lens, void *out,
                            int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                            int64_t max_blocks, int64_t block_size, float scale, int64_t window, int bf16) {
     const int64_t group = num_heads / num_kv_heads, chunks = head_dim / LANES;
     row_dp_fn row_dp = NULL; /* decode rows on vdpbf16ps, for the head sizes it has */
+    rows_dp_fn rows_dp = NULL; /* and a few rows of a sequence, together */
 #if HAVE_ROW_DP
     if (bf16) row_dp = chunks == 2 ? attend_row_dp_2 : chunks == 4 ? attend_row_dp_4 : chunks == 6 ? attend_row_dp_6
                      : chunks == 8 ? attend_row_dp_8 : NULL;
+    if (bf16) rows_dp = chunks == 2 ? attend_rows_dp_2 : chunks == 4 ? attend_rows_dp_4 : chunks == 6 ? attend_rows_dp_6
+                     : chunks == 8 ? attend_rows_dp_8 : NULL;
 #endif
     /* Tiles of each sequence's rows, numbered across the step: tile t is row
-     * tile_rows[t] of sequence tile_seqs[t]. A sequence of a few rows that run
-     * as decode rows (a decode with a draft) has a tile per row, so that one
-     * such sequence keeps every thread busy. */
-#define SEQ_TILE(s) (row_dp != NULL && num_new[s] <= ROWS_AS_DECODES ? 1 : TILE)
+     * tile_rows[t] of sequence tile_seqs[t] (see task_rows). */
+#define SEQ_TILE(s) task_rows(num_new[s], group, row_dp != NULL)
     int64_t num_tiles = 0, longest = 0;
     for (int64_t s = 0; s < num_seqs; s++) {
         num_tiles += (num_new[s] + SEQ_TILE(s) - 1) / SEQ_TILE(s);
@@ -546,10 +677,13 @@ INLINE int paged_attention(const void *q, const void *key, const void *value, co
     else                                                                                                      \
         attend_tile(q, key, value, table, out, starts[s] + r, rows, pos0, h, num_heads, num_kv_heads,         \
                     block_size, group, CHUNKS, scale, window, scratch, bf16)
-            if (rows <= ROWS_AS_DECODES && row_dp != NULL) {
-                for (int64_t i = 0; i < rows; i++)
-                    row_dp(q, key, value, table, out, starts[s] + r + i, pos0 + i, h, num_heads, num_kv_heads,
-                           block_size, group, scale, window, scratch);
+            if (row_dp != NULL && num_new[s] <= ROWS_AS_DECODES) {
+                if (rows == 1)
+                    row_dp(q, key, value, table, out, starts[s] + r, pos0, h, num_heads, num_kv_heads, block_size,
+                           group, scale, window, scratch);
+                else
+                    rows_dp(q, key, value, table, out, starts[s] + r, rows, pos0, h, num_heads, num_kv_heads,
+                            block_size, group, scale, window, scratch);
                 continue;
             }
             switch (chunks) {

@@ -40,8 +40,9 @@ def test_kernel_matches_sdpa(dtype, heads, kv_heads, head_dim, block_size, windo
     # block_size + 1 and a long one; a fresh 3-token prompt, a fresh 21-token
     # prompt, a 19-token chunk after 30 cached tokens, and a 150-token chunk
     # after 100 (its keys span more than one of the kernel's key blocks), and
-    # decodes with drafts of 4 and 11 tokens (5 and 12 rows, run as decode
-    # rows, a task per row) and of 12 (13 rows, a tile) after 60, 40 and 33.
+    # decodes with drafts of 4 and 11 tokens (5 and 12 rows: with bfloat16,
+    # together or a row per task, by the heads per KV head) and of 12 (13
+    # rows, a tile) after 60, 40 and 33.
     new = [1, 1, 1, 1, 1, 3, 21, 19, 150, 5, 12, 13]
     computed = [0, 1, block_size - 1, block_size, 3 * block_size + 4, 0, 0, 30, 100, 60, 40, 33]
     free = torch.randperm(pool.num_blocks).tolist()

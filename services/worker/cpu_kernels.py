@@ -77,10 +77,11 @@ def _cpu_flags() -> str:
     return ""
 
 
-def _build(compiler: str) -> Path:
-    sources = sorted(_KERNELS.glob("*.c"))
+def build(compiler: str, kernels: Path = _KERNELS) -> Path:
+    """The library of the sources in `kernels` built for this CPU, from the cache or now."""
+    sources = sorted(kernels.glob("*.c"))
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    texts = [p.read_text() for p in sorted(_KERNELS.glob("*.[ch]"))]
+    texts = [p.read_text() for p in sorted(kernels.glob("*.[ch]"))]
     key = hashlib.sha256("\0".join([*texts, " ".join(_FLAGS), version, _cpu_flags()]).encode()).hexdigest()[:16]
     target = cache_root() / "kernels" / f"cpu_kernels-{key}.so"
     if target.exists():
@@ -103,7 +104,7 @@ def _library() -> ctypes.CDLL | None:
         log.warning("no C compiler: attention and norms run in plain torch (slower)")
         return None
     try:
-        library = ctypes.CDLL(str(_build(compiler)))
+        library = ctypes.CDLL(str(build(compiler)))
     except (OSError, subprocess.CalledProcessError) as exc:
         detail = getattr(exc, "stderr", "") or exc
         log.warning("building the CPU kernels failed, running plain torch instead: %s", detail)

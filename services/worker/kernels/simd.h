@@ -10,7 +10,6 @@
 
 #define INLINE static inline __attribute__((always_inline))
 #define MIN(a, b) ((a) < (b) ? (a) : (b))
-#define MAX(a, b) ((a) > (b) ? (a) : (b))
 #define LANES 16
 
 typedef float f32x16 __attribute__((vector_size(64)));

@@ -14,8 +14,6 @@ largest difference of each output from the first's.
 from __future__ import annotations
 
 import argparse
-import ctypes
-import os
 import statistics
 import time
 from pathlib import Path
@@ -29,11 +27,10 @@ HEADS, KV_HEADS, HEAD_DIM, LAYERS, BLOCK_SIZE = 9, 3, 64, 30, 16
 
 def kernel(sources: Path) -> cpu_kernels.PagedAttention:
     """The bfloat16 paged-attention entry point built from `sources`."""
-    compiler = os.environ.get("CC") or "cc"
-    function = ctypes.CDLL(str(cpu_kernels.build(compiler, sources))).paged_attention_bf16
-    function.argtypes = cpu_kernels._SIGNATURES["paged_attention"]
-    function.restype = ctypes.c_int
-    return cpu_kernels.PagedAttention(function)
+    library = cpu_kernels.load_library(sources)
+    if library is None:
+        raise SystemExit(f"could not build the kernels in {sources} (see the warning above)")
+    return cpu_kernels.PagedAttention(library.paged_attention_bf16)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -77,7 +77,7 @@ def _cpu_flags() -> str:
     return ""
 
 
-def build(compiler: str, kernels: Path = _KERNELS) -> Path:
+def _build(compiler: str, kernels: Path) -> Path:
     """The library of the sources in `kernels` built for this CPU, from the cache or now."""
     sources = sorted(kernels.glob("*.c"))
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
@@ -99,12 +99,19 @@ def build(compiler: str, kernels: Path = _KERNELS) -> Path:
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
+    return load_library(_KERNELS)
+
+
+def load_library(kernels: Path) -> ctypes.CDLL | None:
+    """The kernels of the sources in `kernels` (this tree's, or another checkout's for
+    bench/attention_ab.py), built and loaded with their signatures; None without a
+    compiler or where the build fails."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         log.warning("no C compiler: attention and norms run in plain torch (slower)")
         return None
     try:
-        library = ctypes.CDLL(str(build(compiler)))
+        library = ctypes.CDLL(str(_build(compiler, kernels)))
     except (OSError, subprocess.CalledProcessError) as exc:
         detail = getattr(exc, "stderr", "") or exc
         log.warning("building the CPU kernels failed, running plain torch instead: %s", detail)

@@ -354,6 +354,21 @@ INLINE void score_keys(const f32x16 *qt, int64_t vectors, const float *block, in
 }
 
 #if HAVE_ROW_DP
+/* The queries of rows [row0, ...) times the `group` query heads of KV head h
+ * (`queries` in all) as bfloat16 pairs across `vectors` vectors: lane i of
+ * qp[p][v] holds query 16 v + i's elements 2 p and 2 p + 1; lanes past the
+ * queries hold zeros. */
+INLINE void pack_query_pairs(const uint16_t *q, int64_t row0, int64_t queries, int64_t vectors, int64_t h,
+                             int64_t num_heads, int64_t group, int64_t head_dim, int32_t *qp) {
+    const int64_t pairs = head_dim / 2;
+    memset(qp, 0, sizeof(int32_t) * (size_t)(pairs * vectors * LANES));
+    for (int64_t i = 0; i < queries; i++) {
+        const int64_t index = ((row0 + i / group) * num_heads + h * group + i % group) * head_dim;
+        for (int64_t p = 0; p < pairs; p++)
+            memcpy(qp + (p * vectors + i / LANES) * LANES + i % LANES, q + index + 2 * p, sizeof(int32_t));
+    }
+}
+
 /* Scores of `count` keys (bfloat16 rows of the cache, at element offsets
  * `rows`) against query vectors [v0, v0 + nv) of a tile whose queries are
  * stored as bfloat16 pairs (`qp`: [pairs][vectors], lane i of vector v holds
@@ -396,12 +411,7 @@ INLINE void score_tile_dp(const uint16_t *q, const uint16_t *key, const int64_t 
                           int64_t group, int64_t head_dim, int64_t queries, int64_t vectors, float scale, int32_t *qp,
                           f32x16 *st) {
     const int64_t pairs = head_dim / 2;
-    memset(qp, 0, sizeof(int32_t) * (size_t)(pairs * vectors * LANES));
-    for (int64_t i = 0; i < queries; i++) {
-        const int64_t index = ((row0 + i / group) * num_heads + h * group + i % group) * head_dim;
-        for (int64_t p = 0; p < pairs; p++)
-            memcpy(qp + (p * vectors + i / LANES) * LANES + i % LANES, q + index + 2 * p, sizeof(int32_t));
-    }
+    pack_query_pairs(q, row0, queries, vectors, h, num_heads, group, head_dim, qp);
     int64_t rows[KEY_BLOCK];
     for (int64_t start = first; start <= last; start += KEY_BLOCK) {
         const int64_t m = MIN(KEY_BLOCK, last + 1 - start);
@@ -444,11 +454,7 @@ INLINE void attend_rows_dp(const uint16_t *q, const uint16_t *key, const uint16_
     f32x16 *st = (f32x16 *)(qp + pairs * LANES);   /* [padded]: scores, then weights; lane i = query i */
     int64_t *krows = (int64_t *)(st + padded);     /* [padded]: each key's element offset in K and V */
 
-    memset(qp, 0, sizeof(int32_t) * (size_t)(pairs * LANES));
-    for (int64_t i = 0; i < queries; i++) {
-        const int64_t index = ((row0 + i / group) * num_heads + h * group + i % group) * head_dim;
-        for (int64_t p = 0; p < pairs; p++) memcpy(qp + p * LANES + i, q + index + 2 * p, sizeof(int32_t));
-    }
+    pack_query_pairs(q, row0, queries, 1, h, num_heads, group, head_dim, qp);
     key_rows(table, first, n, h, num_kv_heads, block_size, head_dim, krows);
     for (int64_t j = n; j < padded; j++) krows[j] = krows[n - 1];
     for (int64_t j = 0; j < MIN(4 * 8, n); j++) prefetch_row(key + krows[j], head_dim);
@@ -630,13 +636,16 @@ INLINE int paged_attention(const void *q, const void *key, const void *value, co
                            int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                            int64_t max_blocks, int64_t block_size, float scale, int64_t window, int bf16) {
     const int64_t group = num_heads / num_kv_heads, chunks = head_dim / LANES;
-    row_dp_fn row_dp = NULL; /* decode rows on vdpbf16ps, for the head sizes it has */
-    rows_dp_fn rows_dp = NULL; /* and a few rows of a sequence, together */
+    /* Decode rows on vdpbf16ps, one at a time and a few together, for the head sizes it has. */
+    row_dp_fn row_dp = NULL;
+    rows_dp_fn rows_dp = NULL;
 #if HAVE_ROW_DP
-    if (bf16) row_dp = chunks == 2 ? attend_row_dp_2 : chunks == 4 ? attend_row_dp_4 : chunks == 6 ? attend_row_dp_6
-                     : chunks == 8 ? attend_row_dp_8 : NULL;
-    if (bf16) rows_dp = chunks == 2 ? attend_rows_dp_2 : chunks == 4 ? attend_rows_dp_4 : chunks == 6 ? attend_rows_dp_6
-                     : chunks == 8 ? attend_rows_dp_8 : NULL;
+    if (bf16) switch (chunks) {
+            case 2: row_dp = attend_row_dp_2, rows_dp = attend_rows_dp_2; break;
+            case 4: row_dp = attend_row_dp_4, rows_dp = attend_rows_dp_4; break;
+            case 6: row_dp = attend_row_dp_6, rows_dp = attend_rows_dp_6; break;
+            case 8: row_dp = attend_row_dp_8, rows_dp = attend_rows_dp_8; break;
+        }
 #endif
     /* Tiles of each sequence's rows, numbered across the step: tile t is row
      * tile_rows[t] of sequence tile_seqs[t] (see task_rows). */

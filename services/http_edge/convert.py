@@ -15,7 +15,7 @@ from typing import Any
 from google.protobuf import struct_pb2
 from stormserve.chat.v1 import chat_pb2
 
-from services.http_edge.protocol import (
+from services.common.chat_protocol import (
     ChatCompletionRequest,
     ContentPart,
     Message,

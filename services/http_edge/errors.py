@@ -40,7 +40,6 @@ addresses, transport errors and exception text stay in the logs.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from http import HTTPStatus
 from typing import Any
 
@@ -51,6 +50,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.common.errors import INTERNAL_ERROR, PAYLOAD_TOO_LARGE, client_message, error_reason
+from services.common.validation import describe_validation
 from services.http_edge.observe import ERROR_SCOPE_KEY, record_of
 
 log = logging.getLogger(__name__)
@@ -161,63 +161,6 @@ def from_chat_error(code: int, message: str, error_type: str) -> EdgeError:
     return EdgeError(
         500, error_type or INCOMPLETE, message or "generation failed", code or CODE_GENERATION
     )
-
-
-# -- validation messages -----------------------------------------------------
-
-_TYPE_RULES = {
-    "float_type": "must be a number",
-    "float_parsing": "must be a number",
-    "int_type": "must be an integer",
-    "int_parsing": "must be an integer",
-    "int_from_float": "must be an integer",
-    "bool_type": "must be a boolean",
-    "bool_parsing": "must be a boolean",
-    "string_type": "must be a string",
-    "list_type": "must be a list",
-    "dict_type": "must be an object",
-    "model_type": "must be an object",
-    "model_attributes_type": "must be an object",
-    "missing": "is required",
-    "finite_number": "must be a finite number",
-}
-
-
-def field_path(loc: Sequence[str | int]) -> str:
-    """('messages', 0, 'content', '<list>', 1, 'text') -> 'messages[0].content[1].text' (union tags dropped)."""
-    path = ""
-    for part in loc:
-        if isinstance(part, int):
-            path += f"[{part}]"
-        elif not (part.startswith("<") and part.endswith(">")):
-            path += f".{part}" if path else part
-    return path
-
-
-def describe_error(error: dict[str, Any]) -> str:
-    """One pydantic error as '<field> <rule>'."""
-    path = field_path(error.get("loc", ()))
-    kind = error.get("type", "")
-    ctx = error.get("ctx") or {}
-    if kind == "value_error":
-        rule = str(ctx.get("error", error.get("msg", "")))
-    elif kind == "request_rule":
-        return f"{path}: {error['msg']}" if path else error["msg"]
-    elif kind == "literal_error":
-        rule = f"must be one of {ctx.get('expected')}"
-    elif kind in ("too_short", "string_too_short"):
-        unit = "items" if kind == "too_short" else "characters"
-        minimum = ctx.get("min_length")
-        rule = "must not be empty" if minimum == 1 else f"must have at least {minimum} {unit}"
-    elif kind == "string_too_long":
-        rule = f"must be at most {ctx.get('max_length')} characters"
-    else:
-        rule = _TYPE_RULES.get(kind) or str(error.get("msg", "is invalid"))
-    return f"{path} {rule}" if path else rule
-
-
-def describe_validation(errors: Sequence[dict[str, Any]]) -> str:
-    return "; ".join(dict.fromkeys(describe_error(e) for e in errors)) or "invalid request"
 
 
 # -- FastAPI wiring ----------------------------------------------------------

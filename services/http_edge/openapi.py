@@ -17,7 +17,7 @@ from fastapi.responses import HTMLResponse
 from pydantic.json_schema import models_json_schema
 
 from services.common.fingerprint import stormserve_version
-from services.http_edge.protocol import ChatCompletionRequest
+from services.common.chat_protocol import ChatCompletionRequest
 from services.http_edge.schemas import RESPONSE_MODELS
 
 OPENAPI_URL = "/openapi.json"

@@ -28,8 +28,10 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from stormserve.chat.v1 import chat_pb2
 
+from services.common.chat_protocol import ChatCompletionRequest
 from services.common.fingerprint import system_fingerprint
 from services.common.multiplex import MultiplexedCall
+from services.common.validation import describe_validation, field_path
 from services.http_edge.backend import ChatBackend
 from services.http_edge.config import EdgeConfig
 from services.http_edge.convert import now_us, to_chat_request
@@ -37,8 +39,6 @@ from services.http_edge.errors import (
     PARSE_FAILED,
     EdgeError,
     body_too_large,
-    describe_validation,
-    field_path,
     from_chat_error,
     from_rpc_error,
     invalid_input,
@@ -47,7 +47,6 @@ from services.http_edge.errors import (
     unsupported_media_type,
 )
 from services.http_edge.observe import RequestRecord, record_of
-from services.http_edge.protocol import ChatCompletionRequest
 from services.http_edge.render import CompletionBuilder, ReplyContext, chunk_json, finish_reason
 from services.http_edge.streaming import (
     DONE,

@@ -23,6 +23,7 @@ from services.tokenizer.output import ChoiceOutput
 from services.tokenizer.parsers.reasoning import THINK_END
 from services.tokenizer.structs import struct_to_dict
 from services.tokenizer.prompt import PromptBuilder, too_long
+from services.tokenizer.request_rules import check_chat_request, check_messages
 from services.tokenizer.template import RenderedPrompt
 from services.tokenizer.tool_grammar import tool_choice_grammar
 from stormserve.chat.v1 import chat_pb2, chat_pb2_grpc
@@ -155,6 +156,7 @@ class ChatServicer(chat_pb2_grpc.ChatServiceServicer):
 
     async def _respond(self, request, span):
         arrival_us = request.arrival_time_us or time.time_ns() // 1000
+        check_chat_request(request)
         self.core.check_model(request.model)
         _check_beam_search(request)
         kwargs = struct_to_dict(request.chat_template_kwargs)
@@ -253,6 +255,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
 
     async def ApplyChatTemplate(self, request, context):
         self.core.check_model(request.model)
+        check_messages(request.messages)
         add = request.add_generation_prompt if request.HasField("add_generation_prompt") else True
         prompt = await self.core.prompts.render(request.messages, request.tools,
                                         struct_to_dict(request.chat_template_kwargs), add)

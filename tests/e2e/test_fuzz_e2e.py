@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
-from services.http_edge.protocol import ChatCompletionRequest, ContentPart, Message
+from services.common.chat_protocol import ChatCompletionRequest, ContentPart, Message
 from services.http_edge.schemas import ChatCompletion, ChatCompletionChunk, ErrorBody
 from tests.e2e.conftest import MODEL
 

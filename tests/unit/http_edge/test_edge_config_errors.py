@@ -6,7 +6,8 @@ import pytest
 
 from services.common.config import load_config
 from services.http_edge.config import EdgeConfig
-from services.http_edge.errors import describe_error, field_path, from_chat_error, from_grpc
+from services.common.validation import describe_error, field_path
+from services.http_edge.errors import from_chat_error, from_grpc
 
 
 def test_defaults() -> None:

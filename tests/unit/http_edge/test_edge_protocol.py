@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from services.http_edge.errors import EdgeError
-from services.http_edge.protocol import INT32_MAX, UINT64_MAX
+from services.common.chat_protocol import INT32_MAX, UINT64_MAX
 from services.http_edge.serving import parse_chat_request
 
 USER = {"role": "user", "content": "hi"}

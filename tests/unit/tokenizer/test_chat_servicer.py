@@ -172,7 +172,7 @@ def test_beam_search_reaches_the_scheduler_and_its_text_level_conflicts_are_refu
     sent: list[scheduler_pb2.GenerateRequest] = []
     chat(tokenizer, ask(use_beam_search=True, n=1, best_of=3, max_tokens=8), scheduler_requests=sent)
     assert sent[0].use_beam_search and sent[0].n == 1 and sent[0].best_of == 3
-    tool = chat_pb2.Tool(function=chat_pb2.FunctionDefinition(name="f"))
+    tool = chat_pb2.Tool(type="function", function=chat_pb2.FunctionDefinition(name="f"))
     for fields, name in (({"stop": ["."]}, "stop"), ({"tools": [tool]}, "tools")):
         with pytest.raises(ServiceError, match=f"use_beam_search cannot be combined with {name}"):
             chat(tokenizer, ask(use_beam_search=True, max_tokens=8, **fields))

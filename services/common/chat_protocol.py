@@ -1,4 +1,9 @@
-"""Pydantic models of the documented `POST /v1/chat/completions` request body.
+"""Pydantic models of the documented `POST /v1/chat/completions` request body:
+the one definition of a chat request's rules. The HTTP edge validates the JSON
+body with them; the tokenizer validates every ChatService call (native gRPC,
+gRPC-Web, transcoded JSON, the edge's own) with them too
+(services/tokenizer/request_rules.py), so every door refuses the same requests
+with the same words.
 
 Every field of api-docs 000/001/003 is modelled. Types are strict (`"hot"`
 or `true` is not a number, `1.0` is not an integer), `null` counts as absent,
@@ -7,8 +12,9 @@ unknown fields are ignored. Ranges follow the docs and the reference
 uint64 range. Features the backend may not run yet (n > 1, beam search)
 are accepted here; the backend answers INVALID_ARGUMENT.
 
-Messages raised here name the rule ("must be in [0, 2]"); `errors.py` puts
-the field path in front. The building blocks live in `validation.py`.
+Messages raised here name the rule ("must be in [0, 2]");
+`validation.describe_validation` puts the field path in front. The building
+blocks live in `validation.py`.
 """
 from __future__ import annotations
 
@@ -19,7 +25,7 @@ from pydantic import AliasChoices, Field, Tag, field_validator, model_validator
 
 from services.common.media_parts import MAX_MEDIA_PARTS
 from services.common.template_kwargs import reserved_key
-from services.http_edge.validation import (
+from services.common.validation import (
     LIST,
     OBJECT,
     STR,

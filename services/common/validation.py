@@ -1,10 +1,10 @@
-"""Building blocks of the strict request models: the base model (strict types,
+"""Building blocks of the strict request models (chat_protocol.py): the base model (strict types,
 unknown keys ignored, `null` = absent), range and pattern checks with readable
 messages, and unions chosen by JSON kind."""
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Discriminator, GetCoreSchemaHandler, GetJsonSchemaHandler, model_validator
@@ -87,3 +87,60 @@ class StrictModel(BaseModel):
         if isinstance(data, dict):
             return {key: value for key, value in data.items() if value is not None}
         return data
+
+
+# -- messages: a pydantic error as '<field path> <rule>' ---------------------------
+
+_TYPE_RULES = {
+    "float_type": "must be a number",
+    "float_parsing": "must be a number",
+    "int_type": "must be an integer",
+    "int_parsing": "must be an integer",
+    "int_from_float": "must be an integer",
+    "bool_type": "must be a boolean",
+    "bool_parsing": "must be a boolean",
+    "string_type": "must be a string",
+    "list_type": "must be a list",
+    "dict_type": "must be an object",
+    "model_type": "must be an object",
+    "model_attributes_type": "must be an object",
+    "missing": "is required",
+    "finite_number": "must be a finite number",
+}
+
+
+def field_path(loc: Sequence[str | int]) -> str:
+    """('messages', 0, 'content', '<list>', 1, 'text') -> 'messages[0].content[1].text' (union tags dropped)."""
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif not (part.startswith("<") and part.endswith(">")):
+            path += f".{part}" if path else part
+    return path
+
+
+def describe_error(error: dict[str, Any]) -> str:
+    """One pydantic error as '<field> <rule>'."""
+    path = field_path(error.get("loc", ()))
+    kind = error.get("type", "")
+    ctx = error.get("ctx") or {}
+    if kind == "value_error":
+        rule = str(ctx.get("error", error.get("msg", "")))
+    elif kind == "request_rule":
+        return f"{path}: {error['msg']}" if path else error["msg"]
+    elif kind == "literal_error":
+        rule = f"must be one of {ctx.get('expected')}"
+    elif kind in ("too_short", "string_too_short"):
+        unit = "items" if kind == "too_short" else "characters"
+        minimum = ctx.get("min_length")
+        rule = "must not be empty" if minimum == 1 else f"must have at least {minimum} {unit}"
+    elif kind == "string_too_long":
+        rule = f"must be at most {ctx.get('max_length')} characters"
+    else:
+        rule = _TYPE_RULES.get(kind) or str(error.get("msg", "is invalid"))
+    return f"{path} {rule}" if path else rule
+
+
+def describe_validation(errors: Sequence[dict[str, Any]]) -> str:
+    return "; ".join(dict.fromkeys(describe_error(e) for e in errors)) or "invalid request"

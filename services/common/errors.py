@@ -73,7 +73,10 @@ FIXED_MESSAGES = {
 # addresses, so they are shown where the library's UNAVAILABLE details are not.
 WORKER_LOST = "the worker running this request was lost"
 NO_WORKER_READY = "no worker is ready"
-CLIENT_UNAVAILABLE_MESSAGES = frozenset({WORKER_LOST, NO_WORKER_READY})
+# A step the worker refused whole (a scheduler fault, not this request's): the
+# requests in it end; the worker stays in service.
+STEP_FAILED = "a step running this request failed on the worker"
+CLIENT_UNAVAILABLE_MESSAGES = frozenset({WORKER_LOST, NO_WORKER_READY, STEP_FAILED})
 # A draining service's own words (drain.py): a new call refused, a running one
 # ended by the drain timeout. They name the service, never an address. A refused
 # call never started, so a client may send it again elsewhere (multiplex.py does).

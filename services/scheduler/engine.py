@@ -5,6 +5,12 @@ go elsewhere; it rejoins when healthy again. A worker that answers NOT_SERVING
 after it was ready is draining (it got SIGTERM): it takes no new sequences,
 and the ones it has run to the end, unless its step stream breaks.
 
+A worker may refuse one sequence of a step (what its request asks is out of
+the worker's ranges): that request alone ends, with INVALID_ARGUMENT and the
+worker's words. A step it refuses whole (a fault of the scheduler's) ends the
+sequences on it, whose worker state went with the step stream, but the worker
+stays in service: only a worker that cannot be reached is lost.
+
 Steps are pipelined one deep: once step N is sent, step N+1 is planned and sent
 before N's answer is awaited (the policy plans from where N leaves each
 sequence), so the worker starts N+1 as soon as N is done instead of waiting for
@@ -18,12 +24,15 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from services.common.errors import WORKER_LOST
+import grpc
+
+from services.common.errors import STEP_FAILED, WORKER_LOST
 from services.scheduler.metrics import EngineMetrics
+from services.scheduler.plan import StepAnswer
 from services.scheduler.policy import BatchPolicy, StepPlan, WorkerCapacity
 from services.scheduler.sequence import FinishReason, Sequence, TokenEvent
 from services.scheduler.speculation import SpeculationConfig, Speculator
-from services.scheduler.worker_client import WorkerClient, WorkerError, WorkerHealth
+from services.scheduler.worker_client import StepRefused, WorkerClient, WorkerError, WorkerHealth
 
 log = logging.getLogger(__name__)
 HEALTH_POLL_S = 1.0
@@ -35,9 +44,11 @@ def now_us() -> int:
 
 @dataclass
 class SequenceFailed:
-    """Delivered instead of a token when the sequence cannot go on."""
+    """Delivered instead of a token when the sequence cannot go on: its request
+    ends with `code` and `message` (written for the client)."""
 
     message: str
+    code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE
 
 
 # Items on a request's stream: a token of one of its sequences, a SequenceFailed
@@ -158,7 +169,7 @@ class EngineLoop:
                 continue
             planned_by, plan, sent_us = sent.popleft()
             try:
-                sampled = await self.worker.receive()
+                answer = await self.worker.receive()
             except WorkerError as exc:
                 self._step_failed(planned_by, plan, exc)
                 sent.clear()
@@ -167,7 +178,9 @@ class EngineLoop:
             # Queued behind the step before it, it started when that one was done.
             started_us, last_answer_us = max(sent_us, last_answer_us), finished_us
             self.num_steps += 1
-            events = planned_by.postprocess(plan, sampled, started_us, finished_us)
+            if answer.refused:
+                self._refused_sequences(planned_by, plan, answer)
+            events = planned_by.postprocess(plan, answer.tokens, started_us, finished_us)
             if self.metrics is not None:
                 self.metrics.on_step(plan, events, started_us, finished_us)
             for seq, event in events:
@@ -175,14 +188,45 @@ class EngineLoop:
                 if stream is not None:
                     stream.put_nowait((seq, event))
 
+    def _refused_sequences(self, policy: BatchPolicy, plan: StepPlan, answer: StepAnswer) -> None:
+        """The worker left these sequences out of the step: each one's request ends
+        (all its sequences, freed as on an abort) with INVALID_ARGUMENT and the
+        worker's message. A refusal of a sequence ended or preempted since the
+        step was planned (refused in the step before, when this one was planned
+        ahead) changes nothing."""
+        for entry in plan.scheduled:
+            seq = entry.seq
+            message = answer.refused.get(seq.seq_id)
+            if message is None or seq.is_finished or entry.epoch != seq.epoch:
+                continue
+            log.warning("%s: the worker refused sequence %d: %s", seq.request_id, seq.seq_id, message)
+            for sibling in policy.unfinished_sequences():
+                if sibling.request_id == seq.request_id:  # a beam search ends whole through a result
+                    policy.finish(sibling if sibling.beam is None else sibling.beam.results[0], FinishReason.ABORT)
+            stream = self._streams.get(seq.request_id)
+            if stream is not None:
+                stream.put_nowait(SequenceFailed(message, grpc.StatusCode.INVALID_ARGUMENT))
+
     def _step_failed(self, planned_by: BatchPolicy, plan: StepPlan, exc: WorkerError) -> None:
         log.error("step %d failed: %s", plan.step_id, exc)
-        if planned_by is self.policy:  # else the worker was already found lost
+        if planned_by is not self.policy:  # the worker was already found lost
+            return
+        if not isinstance(exc, StepRefused):
             self._fail_all(str(exc))
+            return
+        # The worker is up: the sequences on it end (their state went with the step
+        # stream), and it takes new ones at once, from a fresh plan of its blocks.
+        assert self.policy is not None
+        self._end_all(STEP_FAILED, str(exc))
+        self._new_policy(self.policy.capacity)
 
     def _fail_all(self, message: str) -> None:
         """The worker's KV state is gone: every sequence on it ends with an error."""
         self._ready.clear()
+        self._end_all(WORKER_LOST, message)
+
+    def _end_all(self, client_message: str, message: str) -> None:
+        """End every unfinished sequence: its request gets `client_message`, the log `message`."""
         policy = self.policy
         if policy is None:
             return
@@ -192,8 +236,8 @@ class EngineLoop:
             stream = self._streams.get(seq.request_id)
             if stream is not None and seq.request_id not in failed:
                 failed.add(seq.request_id)
-                log.error("%s: %s (%s)", seq.request_id, WORKER_LOST, message)
-                stream.put_nowait(SequenceFailed(WORKER_LOST))
+                log.error("%s: %s (%s)", seq.request_id, client_message, message)
+                stream.put_nowait(SequenceFailed(client_message))
         policy.forget_worker_state()
 
     async def _watch_health(self) -> None:
@@ -245,8 +289,11 @@ class EngineLoop:
 
     def _become_ready(self, capacity: WorkerCapacity) -> None:
         # A (re)started worker holds no KV state: start from a fresh policy.
-        self._retired_counts = self.cache_counts()
-        self.policy = BatchPolicy(capacity, self.max_batch_size, self.max_prefill_tokens, self.speculator)
+        self._new_policy(capacity)
         self.is_draining = False
         self._ready.set()
+
+    def _new_policy(self, capacity: WorkerCapacity) -> None:
+        self._retired_counts = self.cache_counts()
+        self.policy = BatchPolicy(capacity, self.max_batch_size, self.max_prefill_tokens, self.speculator)
         self._wakeup.set()

@@ -1,5 +1,5 @@
 """What the batching policy and the worker client exchange: the worker's capacity,
-a planned step, and the tokens it sampled."""
+a planned step, and the tokens it sampled (or the sequences it refused)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -74,6 +74,15 @@ class SampledToken:
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] = ()
     num_accepted_draft_tokens: int = 0  # drafted tokens kept before token_id
+
+
+@dataclass(frozen=True)
+class StepAnswer:
+    """The worker's answer to a step: the sampled tokens by seq id, and the
+    sequences it refused alone (seq id -> why, written for the request's client)."""
+
+    tokens: dict[int, SampledToken]
+    refused: dict[int, str] = field(default_factory=dict)
 
 
 class CapacityError(ValueError):

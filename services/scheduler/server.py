@@ -68,7 +68,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                 failure = next((i for i in items if isinstance(i, SequenceFailed)), None)
                 if failure is not None:
                     failed = True
-                    raise ServiceError(grpc.StatusCode.UNAVAILABLE, failure.message)
+                    raise ServiceError(failure.code, failure.message)
                 for update in choices.accept([i for i in items if isinstance(i, tuple)]):
                     yield to_response(update, choices)
         finally:

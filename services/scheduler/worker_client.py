@@ -9,13 +9,27 @@ import enum
 import grpc
 from grpc_health.v1 import health_pb2
 
+from services.common.errors import STATUS_CODES
 from services.common.grpc_server import channel, health_status
-from services.scheduler.plan import SampledToken, ScheduledSequence, StepPlan, WorkerCapacity
+from services.scheduler.plan import SampledToken, ScheduledSequence, StepAnswer, StepPlan, WorkerCapacity
 from stormserve.worker.v1 import worker_pb2, worker_pb2_grpc
 
 
 class WorkerError(Exception):
     """The worker failed a step or cannot be reached."""
+
+
+class StepRefused(WorkerError):
+    """The worker refused a step whole (one that contradicts its state: a
+    scheduler fault): it is up, but the step stream has ended, and with it the
+    state of the sequences on it (the worker forgets them)."""
+
+
+# Statuses a worker ends its step stream with when it refuses a step on purpose.
+# Anything else (UNAVAILABLE, INTERNAL: an exception in the step, such as a
+# collective that lost a tensor-parallel rank) leaves the worker in doubt: lost.
+_REFUSAL_CODES = frozenset({
+    grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE})
 
 
 class WorkerHealth(enum.Enum):
@@ -58,7 +72,7 @@ class WorkerClient:
         except (grpc.aio.UsageError, asyncio.InvalidStateError) as exc:  # the stream had already ended
             raise self._lost(exc) from exc
 
-    async def receive(self) -> dict[int, SampledToken]:
+    async def receive(self) -> StepAnswer:
         """The answer to the oldest step sent and not yet received."""
         assert self._steps is not None, "receive before send"
         try:
@@ -67,7 +81,11 @@ class WorkerClient:
             raise self._lost(exc) from exc
         if reply is grpc.aio.EOF:
             raise self._lost(None)
-        return sampled_tokens(reply.step)
+        if reply.HasField("error"):  # the step failed: the stream waits for us to end it
+            raise self._failed(STATUS_CODES.get(reply.error.code, grpc.StatusCode.UNKNOWN), reply.error.message)
+        step = reply.step
+        refused = {r.seq_id: r.message for r in step.refused} if step.refused else {}
+        return StepAnswer(sampled_tokens(step), refused)
 
     def reset(self) -> None:
         """Drop the step stream (steps sent and not received are lost); the next send opens one."""
@@ -76,10 +94,17 @@ class WorkerClient:
             self._steps = None
 
     def _lost(self, exc: BaseException | None) -> WorkerError:
-        self.reset()
+        """The step stream has ended: why, as the engine acts on it."""
         if isinstance(exc, grpc.aio.AioRpcError):
-            return WorkerError(f"worker {self.address}: {exc.code().name}: {exc.details()}")
+            return self._failed(exc.code(), exc.details())
+        self.reset()
         return WorkerError(f"worker {self.address}: the step stream ended ({exc or 'closed by the worker'})")
+
+    def _failed(self, code: grpc.StatusCode, details: str | None) -> WorkerError:
+        """A step failed with `code` (StepRefused: the worker is up); the stream ends."""
+        self.reset()
+        error = StepRefused if code in _REFUSAL_CODES else WorkerError
+        return error(f"worker {self.address}: {code.name}: {details}")
 
     async def close(self) -> None:
         self.reset()

@@ -7,10 +7,9 @@ import warnings
 
 import torch
 
-from services.common.errors import invalid_argument
 from services.worker.guided import GrammarSpec
 from services.worker.model_runner import ModelDescription
-from services.worker.sequence import SamplingParams, SequenceInput, StepResult
+from services.worker.sequence import SamplingParams, SequenceInput, SequenceRefused, StepResult
 from services.worker.vision import ImageInput
 from stormserve.media.v1 import media_pb2
 from stormserve.worker.v1 import worker_pb2
@@ -26,6 +25,8 @@ _GRAMMAR_KINDS = {
 def sampling_from_proto(message: worker_pb2.SamplingParams) -> SamplingParams:
     # The scheduler resolves every default, so each field is taken as sent.
     grammar = message.grammar
+    if grammar.kind and grammar.kind not in _GRAMMAR_KINDS:
+        raise SequenceRefused(f"unknown grammar kind {grammar.kind}")
     return SamplingParams(
         temperature=message.temperature,
         top_k=message.top_k,
@@ -45,10 +46,10 @@ def image_from_proto(message: media_pb2.ImageInput) -> ImageInput:
     pixels = message.pixel_values
     shape = tuple(message.pixel_shape)
     if len(pixels) != (4 * math.prod(shape) if shape else 0):
-        raise invalid_argument(f"an image's pixel_values hold {len(pixels)} bytes, not float32 of shape {shape}")
+        raise SequenceRefused(f"an image's pixel_values hold {len(pixels)} bytes, not float32 of shape {list(shape)}")
     grid = tuple(message.grid_thw)
     if grid and len(grid) != 3:
-        raise invalid_argument("an image's grid_thw must have 3 entries")
+        raise SequenceRefused("an image's grid_thw must have 3 entries")
     pixel_values = None
     if pixels:
         with warnings.catch_warnings():
@@ -62,22 +63,31 @@ def step_from_proto(
     request: worker_pb2.StepRequest,
 ) -> tuple[list[SequenceInput], list[int], list[tuple[int, int]]]:
     """The step's sequences (request order), the seq ids to release first, and the
-    (src, dst) block copies to make before the forward."""
-    inputs = [
-        SequenceInput(
+    (src, dst) block copies to make before the forward. A sequence whose sampling
+    or images cannot be read comes with its `refusal`, for the runner to leave out."""
+    inputs = []
+    for s in request.sequences:
+        sampling, images, refusal = None, (), ""
+        try:
+            if s.HasField("sampling"):
+                sampling = sampling_from_proto(s.sampling)
+            if s.images:
+                images = tuple(image_from_proto(i) for i in s.images)
+        except SequenceRefused as exc:
+            refusal = exc.message
+        inputs.append(SequenceInput(
             seq_id=s.seq_id,
             token_ids=list(s.token_ids),
             num_computed_tokens=s.num_computed_tokens,
             sample=s.sample,
-            sampling=sampling_from_proto(s.sampling) if s.HasField("sampling") else None,
+            sampling=sampling,
             block_table=list(s.block_table),
             num_prompt_tokens=s.num_prompt_tokens,
             feed_last_sampled=s.feed_last_sampled,
-            images=tuple(image_from_proto(i) for i in s.images),
+            images=images,
             num_draft_tokens=s.num_draft_tokens,
-        )
-        for s in request.sequences
-    ]
+            refusal=refusal,
+        ))
     copies = [(c.src_block, c.dst_block) for c in request.block_copies]
     return inputs, list(request.release_seq_ids), copies
 
@@ -91,6 +101,8 @@ def step_to_proto(step_id: int, result: StepResult) -> worker_pb2.StepResponse:
             entry.logprob = token.logprob
         for alternative in token.top_logprobs:
             entry.top_logprobs.add(token_id=alternative.token_id, logprob=alternative.logprob)
+    for refusal in result.refused:
+        response.refused.add(seq_id=refusal.seq_id, message=refusal.message)
     return response
 
 

@@ -1,9 +1,10 @@
 """Runs the model one step at a time over the paged KV cache.
 
 A step: release finished sequences, check the batch against what the worker
-holds, pack every sequence's new tokens into one row, run the HF model once
-(logits only for the last token of each sampling sequence), sample on the
-device, and commit the new cache lengths.
+holds (admission.py: a sequence it cannot serve is left out and reported, a
+step that contradicts its state is refused whole), pack every sequence's new
+tokens into one row, run the HF model once (logits only for the last token of
+each sampling sequence), sample on the device, and commit the new cache lengths.
 
 The scheduler owns the KV blocks: every input carries its block table, and the
 worker reads and writes the pool only through it (it allocates nothing itself).
@@ -25,6 +26,7 @@ from transformers import AutoConfig, AutoTokenizer
 from services.common.errors import invalid_argument
 from services.common.media_parts import has_vision_tower
 from services.worker import attention, sampler, speculative
+from services.worker.admission import StepAdmission
 from services.worker.platforms import Platform, torch_dtype
 from services.worker.checkpoint import Checkpoint
 from services.worker.decoder import LeanDecoder
@@ -34,8 +36,9 @@ from services.worker.model_loading import (
     Decoder, auto_kv_budget, generation_config, hf_decoder, load_hf_model, return_freed_memory)
 from services.worker.parallel import TensorParallel
 from services.worker.penalties import apply_penalties
-from services.worker.sequence import SampledToken, SamplingParams, SequenceInput, StepResult
-from services.worker.vision import SequenceImages, VisionLanguageDecoder, check_images
+from services.worker.sequence import (
+    Refusal, SampledToken, SamplingParams, SequenceInput, SequenceRefused, StepResult)
+from services.worker.vision import SequenceImages, VisionLanguageDecoder
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +108,7 @@ def _token_ids(value) -> list[int]:
     return [int(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
 
 
-class ModelRunner:
+class ModelRunner(StepAdmission):
     def __init__(
         self,
         model_dir: Path,
@@ -215,15 +218,18 @@ class ModelRunner:
         """Release `release_seq_ids`, make the `block_copies` (src, dst), run `inputs`
         as one packed forward, sample.
 
-        Returns one SampledToken per input with sample=True, in input order.
+        Returns one SampledToken per admitted input with sample=True, in input
+        order, and the inputs refused alone (admission.py); raises
+        INVALID_ARGUMENT to refuse the whole step, before any change but the releases.
         """
         started = time.perf_counter()
         self._validate_copies(block_copies)
         for seq_id in release_seq_ids:
             self.release(seq_id)
-        inputs = [self._resolve_last_sampled(s) for s in inputs]
-        self._admit(inputs)
-        if self.tensor_parallel is not None:  # admitted: a step refused above never reaches the other ranks
+        inputs, refused = self._admit(inputs)
+        for refusal in refused:
+            log.info("seq %d refused: %s", refusal.seq_id, refusal.message)
+        if self.tensor_parallel is not None:  # admitted: what is refused above never reaches the other ranks
             self.tensor_parallel.lead(inputs, block_copies)
         self.kv_pool.copy_blocks(list(block_copies))
         tokens: list[SampledToken] = []
@@ -236,7 +242,7 @@ class ModelRunner:
         elapsed = time.perf_counter() - started
         if elapsed >= _TRIM_AFTER_SECONDS:
             return_freed_memory()
-        return StepResult(tokens, int(elapsed * 1e6))
+        return StepResult(tokens, int(elapsed * 1e6), refused)
 
     @torch.inference_mode()
     def follow(self, inputs: list[SequenceInput], block_copies: Sequence[tuple[int, int]]) -> None:
@@ -250,17 +256,42 @@ class ModelRunner:
     def forward(self, inputs: list[SequenceInput]) -> torch.Tensor:
         """Validate, run the packed forward and commit the new cache lengths.
 
-        Returns logits [num inputs with sample=True, vocab] in input order.
+        Returns logits [num inputs with sample=True, vocab] in input order; a
+        sequence `step` would refuse alone raises INVALID_ARGUMENT here.
         """
-        self._admit(inputs)
+        inputs, refused = self._check(inputs)
+        if not refused:
+            inputs, refused = self._start(inputs, refused)
+        if refused:
+            raise invalid_argument(refused[0].message)
         return self._forward_admitted(inputs)
 
-    def _admit(self, inputs: list[SequenceInput]) -> None:
-        """Validate the step and set up its new sequences (compiling their
-        grammars), all or nothing: what can refuse a step happens here."""
-        self._validate(inputs)
-        new = {s.seq_id: self._new_state(s) for s in inputs if s.seq_id not in self.sequences}
-        self.sequences.update(new)
+    def _admit(self, inputs: list[SequenceInput]) -> tuple[list[SequenceInput], list[Refusal]]:
+        """Check the step and set up its new sequences (compiling their grammars):
+        what can refuse a sequence or the step happens here. Returns the inputs to
+        run and the refused ones; the worker keeps nothing of the latter."""
+        inputs, refused = self._check(inputs)
+        for refusal in refused:  # one it held is refused mid-way (its context outgrew the model)
+            self.sequences.pop(refusal.seq_id, None)
+        return self._start(inputs, refused)
+
+    def _start(self, inputs: list[SequenceInput],
+               refused: list[Refusal]) -> tuple[list[SequenceInput], list[Refusal]]:
+        """Set up the new sequences among checked `inputs`; one whose grammar does
+        not compile joins `refused` and leaves the step."""
+        new = [s for s in inputs if s.seq_id not in self.sequences]
+        if not new:
+            return inputs, refused
+        states = {}
+        for s in new:
+            try:
+                states[s.seq_id] = self._new_state(s)
+            except SequenceRefused as exc:
+                refused.append(Refusal(s.seq_id, exc.message))
+        if len(states) < len(new):
+            inputs = [s for s in inputs if s.seq_id in states or s.seq_id in self.sequences]
+        self.sequences.update(states)
+        return inputs, refused
 
     def _forward_admitted(self, inputs: list[SequenceInput]) -> torch.Tensor:
         logits = self._run_model(inputs)
@@ -275,78 +306,9 @@ class ModelRunner:
             state.num_cached_tokens = s.num_computed_tokens + len(s.token_ids) - s.num_draft_tokens
         return logits
 
-    def _validate(self, inputs: list[SequenceInput]) -> None:
-        """Check the whole step before touching any state, so a bad step changes nothing."""
-        if len(inputs) > self.max_batch_size:
-            raise invalid_argument(
-                f"step has {len(inputs)} sequences; max_batch_size is {self.max_batch_size}"
-            )
-        seen: set[int] = set()
-        for s in inputs:
-            if s.seq_id in seen:
-                raise invalid_argument(f"seq {s.seq_id} appears twice in one step")
-            seen.add(s.seq_id)
-            if not s.token_ids:
-                raise invalid_argument(f"seq {s.seq_id}: token_ids is empty")
-            if min(s.token_ids) < 0 or max(s.token_ids) >= self.vocab_size:
-                raise invalid_argument(f"seq {s.seq_id}: token id outside [0, {self.vocab_size})")
-            state = self.sequences.get(s.seq_id)
-            if state is None:
-                if s.sampling is None:
-                    raise invalid_argument(f"seq {s.seq_id}: sampling is required on its first step")
-                s.sampling.validate()
-                speculative.validate_draft(s, s.sampling)
-                if s.num_computed_tokens < 0 or s.num_prompt_tokens < 0:
-                    raise invalid_argument(f"seq {s.seq_id}: negative num_computed_tokens or num_prompt_tokens")
-                if s.images and not isinstance(self.decoder, VisionLanguageDecoder):
-                    raise invalid_argument(f"seq {s.seq_id}: this model has no vision tower for its images")
-                check_images(s.images, s.seq_id)
-            elif s.num_computed_tokens != state.num_cached_tokens:
-                raise invalid_argument(
-                    f"seq {s.seq_id}: num_computed_tokens {s.num_computed_tokens} but the worker "
-                    f"holds {state.num_cached_tokens} tokens"
-                )
-            else:
-                speculative.validate_draft(s, state.sampling)
-            context = s.num_computed_tokens + len(s.token_ids)
-            if self.max_position_embeddings and context > self.max_position_embeddings:
-                raise invalid_argument(
-                    f"seq {s.seq_id}: {context} tokens exceed the model's {self.max_position_embeddings}"
-                )
-            self._validate_block_table(s, context)
-
-    def _resolve_last_sampled(self, s: SequenceInput) -> SequenceInput:
-        if not s.feed_last_sampled:
-            return s
-        state = self.sequences.get(s.seq_id)
-        if s.token_ids or not s.sample or state is None or state.last_sampled is None:
-            raise invalid_argument(
-                f"seq {s.seq_id}: feed_last_sampled needs empty token_ids, sample, and a token sampled "
-                "for the sequence in the step before"
-            )
-        return dataclasses.replace(s, token_ids=[state.last_sampled], feed_last_sampled=False)
-
-    def _validate_copies(self, copies: Sequence[tuple[int, int]]) -> None:
-        num_blocks = self.kv_pool.num_blocks
-        if any(not (0 <= b < num_blocks) for pair in copies for b in pair):
-            raise invalid_argument(f"block copy: block id outside [0, {num_blocks})")
-        if len({dst for _, dst in copies}) != len(copies):
-            raise invalid_argument("block copy: a destination block appears twice")
-
-    def _validate_block_table(self, s: SequenceInput, context: int) -> None:
-        # Out-of-range ids would index past the pool; a short table would map
-        # positions onto padding. Both are scheduler bugs: refuse the step.
-        if len(s.block_table) * self.block_size < context:
-            raise invalid_argument(
-                f"seq {s.seq_id}: block table of {len(s.block_table)} blocks x {self.block_size} "
-                f"tokens cannot hold {context} tokens"
-            )
-        if s.block_table and (min(s.block_table) < 0 or max(s.block_table) >= self.kv_pool.num_blocks):
-            raise invalid_argument(f"seq {s.seq_id}: block id outside [0, {self.kv_pool.num_blocks})")
-
     def _new_state(self, s: SequenceInput) -> SequenceState:
         sampling = s.sampling
-        assert sampling is not None  # checked by _validate
+        assert sampling is not None  # checked by _check
         generator = None
         if not sampling.is_greedy:
             # Seeded once: the sequence's draws depend on its seed alone, not on the batch.
@@ -355,10 +317,16 @@ class ModelRunner:
         state = SequenceState(sampling=sampling, generator=generator, num_prompt_tokens=s.num_prompt_tokens or None,
                               images=SequenceImages(list(s.images)) if s.images else None)
         if sampling.grammar is not None:
+            guided = self.guided
             try:
-                state.matcher = self.guided.compile(sampling.grammar)
+                state.matcher = guided.compile(sampling.grammar)
             except GrammarError as exc:
-                raise invalid_argument(f"seq {s.seq_id}: {exc}") from exc
+                raise SequenceRefused(str(exc)) from exc
+            except ValueError as exc:  # llguidance's own, e.g. a schema that is not an object
+                raise SequenceRefused(f"cannot compile the grammar: {exc}") from exc
+            except Exception as exc:  # noqa: BLE001 - the request's grammar, not the worker, is at fault
+                log.exception("seq %d: compiling its grammar failed", s.seq_id)
+                raise SequenceRefused("cannot compile the grammar") from exc
         return state
 
     @property

@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from services.common.errors import invalid_argument
 from services.worker.guided import GrammarSpec
 from services.worker.vision import ImageInput
 
@@ -40,23 +39,33 @@ class SamplingParams:
         )
 
     def validate(self) -> None:
-        """Raise INVALID_ARGUMENT for values the sampler cannot honour."""
-        _check(math.isfinite(self.temperature) and self.temperature >= 0, "temperature must be >= 0")
+        """Raise SequenceRefused for values the sampler cannot honour. NaN fails
+        every comparison below, so it is refused wherever it is sent."""
+        _check(math.isfinite(self.temperature) and self.temperature >= 0,
+               "temperature must be a finite number >= 0")
         _check(self.top_k >= 0, "top_k must be >= 0")
         _check(0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]")
         _check(0 <= self.seed < 2**64, "seed must fit in 64 bits")
         _check(0.0 < self.repetition_penalty <= 2.0, "repetition_penalty must be in (0, 2]")
         _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]")
         _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]")
-        _check(
-            -1 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
-            f"top_logprobs must be in [-1, {MAX_TOP_LOGPROBS}]",
-        )
+        _check(self.top_logprobs <= MAX_TOP_LOGPROBS, f"top_logprobs must be at most {MAX_TOP_LOGPROBS}")
+        _check(self.top_logprobs >= -1, "top_logprobs must not be negative")
+
+
+class SequenceRefused(Exception):
+    """The worker cannot serve one sequence of a step (what its request asks is
+    out of its ranges): the step runs without it. The message is for the
+    request's client: it names the field or rule, never ids, paths or classes."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
 
 
 def _check(condition: bool, message: str) -> None:
     if not condition:
-        raise invalid_argument(message)
+        raise SequenceRefused(message)
 
 
 @dataclass(frozen=True)
@@ -77,7 +86,8 @@ class SequenceInput:
     saw that one's result). images: a vision-language model's images of the
     sequence, with `sampling` only (the worker keeps them until release).
     num_draft_tokens: the last that many token_ids are a draft to verify (see
-    speculative.py).
+    speculative.py). refusal: why the sequence was refused while its step was
+    read (convert.py), "" when it was not: the worker leaves it out of the step.
     """
 
     seq_id: int
@@ -90,6 +100,15 @@ class SequenceInput:
     feed_last_sampled: bool = False
     images: tuple[ImageInput, ...] = ()
     num_draft_tokens: int = 0
+    refusal: str = ""
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A sequence the step left out (SequenceRefused), and why, for the client."""
+
+    seq_id: int
+    message: str
 
 
 @dataclass(frozen=True)
@@ -113,7 +132,9 @@ class SampledToken:
 
 @dataclass(frozen=True)
 class StepResult:
-    """A step's sampled tokens (request order) and how long it ran."""
+    """A step's sampled tokens (request order), how long it ran, and the
+    sequences it refused one by one (left out of the step)."""
 
     tokens: list[SampledToken]
     execute_time_us: int
+    refused: list[Refusal] = field(default_factory=list)

@@ -10,7 +10,11 @@ reads as "draining" (no new sequences here) as long as steps are still
 answered; the running sequences go on until the scheduler has released them
 all, then the worker exits. New step streams are refused. At the drain timeout
 an open step stream ends with UNAVAILABLE naming it, and the scheduler ends the
-sequences it carried with that error."""
+sequences it carried with that error.
+
+A failed step on a step stream is answered with its status in the stream, which
+then waits for the caller to end it: a scheduler writing its next step as the
+stream ended would otherwise read its own write's error, not the step's."""
 from __future__ import annotations
 
 import asyncio
@@ -23,7 +27,7 @@ import grpc
 
 from services.common import tracing
 from services.common.drain import Drain
-from services.common.errors import ServiceError
+from services.common.errors import ServiceError, status_proto
 from services.worker import convert
 from services.worker.model_runner import ModelRunner
 from services.worker.spans import StepSpans
@@ -120,7 +124,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         reader = asyncio.create_task(read())
         try:
             while (answer := await answers.get()) is not None:
-                yield worker_pb2.StepStreamResponse(step=await answer)
+                try:
+                    response = await answer
+                except Exception as exc:  # noqa: BLE001 - answered in the stream, as worker.proto says
+                    yield worker_pb2.StepStreamResponse(error=status_proto(exc))
+                    # Later steps are not run (state.failed): the caller ends the stream.
+                    while (pending := await answers.get()) is not None:
+                        await asyncio.gather(pending, return_exceptions=True)
+                    break
+                yield worker_pb2.StepStreamResponse(step=response)
             await reader
         finally:
             reader.cancel()

@@ -24,20 +24,18 @@ from __future__ import annotations
 
 import torch
 
-from services.common.errors import invalid_argument
 from services.worker import sampler
-from services.worker.sequence import SamplingParams, SequenceInput
+from services.worker.sequence import SamplingParams, SequenceInput, SequenceRefused
 
 
 def validate_draft(s: SequenceInput, sampling: SamplingParams) -> None:
+    """SequenceRefused for a draft the worker cannot verify: the sequence alone is left out."""
     if not s.num_draft_tokens:
         return
     if s.num_draft_tokens < 0 or s.num_draft_tokens >= len(s.token_ids) or not s.sample or s.feed_last_sampled:
-        raise invalid_argument(
-            f"seq {s.seq_id}: num_draft_tokens needs sample, explicit token_ids and at least one "
-            "token before the draft")
+        raise SequenceRefused("a draft needs sampling, explicit token ids and at least one token before it")
     if sampling.top_logprobs >= 0 or sampling.has_penalties or sampling.grammar is not None:
-        raise invalid_argument(f"seq {s.seq_id}: no draft with logprobs, penalties or a grammar")
+        raise SequenceRefused("no draft with logprobs, penalties or a grammar")
 
 
 def num_rows(s: SequenceInput) -> int:

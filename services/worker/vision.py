@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from pathlib import Path
 
 import torch
@@ -59,13 +59,15 @@ class SequenceImages:
     embeddings: dict[int, torch.Tensor] = field(default_factory=dict)  # image index -> [num_tokens, hidden]
 
 
-def check_images(images: tuple[ImageInput, ...], seq_id: int) -> None:
-    """Spans in order, not overlapping, non-empty; INVALID_ARGUMENT otherwise."""
+def images_refusal(images: tuple[ImageInput, ...]) -> str | None:
+    """Why a sequence's image spans cannot be served (out of order, overlapping,
+    empty), for its client; None when they can."""
     end = 0
     for image in images:
         if image.offset < end or image.num_tokens < 1:
-            raise invalid_argument(f"seq {seq_id}: images must be in position order, non-empty and not overlap")
+            return "images must be in position order, non-empty and not overlap"
         end = image.end
+    return None
 
 
 def mrope_positions(images: Sequence[ImageInput], start: int, count: int, merge_size: int) -> torch.Tensor:
@@ -117,6 +119,57 @@ class VisionLanguageDecoder:
         self.embed_tokens = self.model.get_input_embeddings()
         self.language_model = self.model.model.language_model
         self.lm_head = self.model.lm_head
+        vision = self.config.vision_config
+        if self.is_mrope:  # one row per patch: channels x frames x patch x patch values
+            self._patch_values = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
+        else:  # a fixed crop, in patches; the CLS embedding is dropped unless "full"
+            size = _pair(vision.image_size)
+            patch = _pair(vision.patch_size)
+            self._pixel_shape = (vision.num_channels, *size)
+            self._tokens_per_image = (size[0] // patch[0]) * (size[1] // patch[1]) + (
+                self.config.vision_feature_select_strategy == "full")
+
+    def image_refusal(self, image: ImageInput) -> str | None:
+        """Why the tower cannot take `image` as its request sent it (pixels or a
+        grid of another shape than the model's, placeholders other than the
+        embeddings it gives), for the client; None if it can. Checked before the
+        step, so that a bad image refuses its own sequence, not the step."""
+        if self.is_mrope:
+            if image.grid_thw is None or min(image.grid_thw) < 1:
+                return "an image needs a grid_thw of 3 positive entries with this model"
+            t, h, w = image.grid_thw
+            if h % self.merge_size or w % self.merge_size:
+                return f"an image's grid_thw height and width must be multiples of {self.merge_size}"
+            if image.num_tokens != t * h * w // self.merge_size ** 2:
+                return (f"an image of grid_thw {list(image.grid_thw)} fills {t * h * w // self.merge_size ** 2} "
+                        f"placeholder tokens, not {image.num_tokens}")
+            expected: tuple[int, ...] = (t * h * w, self._patch_values)
+        else:
+            if image.num_tokens != self._tokens_per_image:
+                return f"an image fills {self._tokens_per_image} placeholder tokens, not {image.num_tokens}"
+            expected = self._pixel_shape
+        if image.pixel_values is not None and tuple(image.pixel_values.shape) != expected:
+            return f"an image's pixel_shape is {list(image.pixel_values.shape)}, not {list(expected)}"
+        return None
+
+    def step_refusal(self, images: Sequence[ImageInput], embedded: Container[int], token_ids: list[int],
+                     start: int) -> str | None:
+        """Why a step that feeds `token_ids` from position `start` cannot place a
+        sequence's images (an image reached without pixels, placeholders that are
+        other tokens), for the client; None if it can. `embedded`: the indexes of
+        the images whose embeddings the sequence holds."""
+        end = start + len(token_ids)
+        for index, image in enumerate(images):
+            low, high = max(start, image.offset), min(end, image.end)
+            if low >= high:
+                continue
+            if image.pixel_values is None and index not in embedded:
+                return (f"the image at [{image.offset}, {image.end}) came without pixels to a step that computes "
+                        "its tokens")
+            if token_ids[low - start : high - start].count(self.image_token_id) != high - low:
+                return (f"the image span [{image.offset}, {image.end}) holds tokens other than the image token "
+                        f"{self.image_token_id}")
+        return None
 
     def encode(self, images: list[ImageInput]) -> list[torch.Tensor]:
         """The vision tower and projector over images in one call: [num_tokens, hidden] each."""
@@ -188,3 +241,8 @@ class VisionLanguageDecoder:
             if high == image.end:  # no later step reads it
                 del images.embeddings[index]
                 images.images[index] = dataclasses.replace(image, pixel_values=None)
+
+
+def _pair(value) -> tuple[int, int]:
+    """An HF config's size: one int for a square, or (height, width)."""
+    return (value, value) if isinstance(value, int) else (int(value[0]), int(value[1]))

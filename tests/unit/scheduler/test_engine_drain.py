@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 from services.common.errors import WORKER_LOST
 from services.scheduler.engine import EngineLoop, SequenceFailed
+from services.scheduler.plan import StepAnswer
 from services.scheduler.router import Router
 from services.scheduler.worker_client import WorkerError, WorkerHealth
 from tests.unit.scheduler.test_policy import BLOCK_SIZE, EOS, FakeWorker, WorkerCapacity, make_seq
@@ -37,7 +38,7 @@ class FakeWorkerClient:
     async def send(self, plan) -> None:
         if self.fail_with is not None:
             raise WorkerError(self.fail_with)
-        self.answers.put_nowait(self.fake.step(plan))
+        self.answers.put_nowait(StepAnswer(self.fake.step(plan)))
 
     async def receive(self):
         await asyncio.sleep(STEP_S)

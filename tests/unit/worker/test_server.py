@@ -13,7 +13,6 @@ from services.common.errors import ErrorInterceptor
 from services.common.grpc_server import GrpcService, health_status
 from services.worker.model_runner import ModelRunner
 from services.worker.server import WorkerServicer
-from stormserve.media.v1 import media_pb2
 from stormserve.worker.v1 import worker_pb2, worker_pb2_grpc
 
 
@@ -69,24 +68,17 @@ def test_describe_and_steps_over_grpc(runner: ModelRunner):
 @pytest.mark.parametrize(
     "sequence, code",
     [
-        (worker_pb2.SequenceStep(seq_id=801, token_ids=[1], sample=True), grpc.StatusCode.INVALID_ARGUMENT),
         (worker_pb2.SequenceStep(seq_id=801, token_ids=[1], sample=True, sampling=_sampling()),
          grpc.StatusCode.INVALID_ARGUMENT),  # no block table
-        (worker_pb2.SequenceStep(seq_id=801, token_ids=[1], sample=True, sampling=_sampling(top_p=0.0)),
-         grpc.StatusCode.INVALID_ARGUMENT),
-        (worker_pb2.SequenceStep(seq_id=801, token_ids=[1] * 100_000, sample=True, sampling=_sampling()),
-         grpc.StatusCode.INVALID_ARGUMENT),  # longer than max_position_embeddings
-        (worker_pb2.SequenceStep(seq_id=801, token_ids=[1], sample=True, sampling=_sampling(), block_table=[0],
-                                 images=[media_pb2.ImageInput(offset=0, num_tokens=1, pixel_values=b"\0" * 8,
-                                                              pixel_shape=[3])]),
-         grpc.StatusCode.INVALID_ARGUMENT),  # pixels that do not fill their shape
-        (worker_pb2.SequenceStep(seq_id=801, token_ids=[1], sample=True, sampling=_sampling(), block_table=[0],
-                                 images=[media_pb2.ImageInput(offset=0, num_tokens=1, pixel_values=b"\0" * 12,
-                                                              pixel_shape=[3])]),
-         grpc.StatusCode.INVALID_ARGUMENT),  # a text-only model has no vision tower
+        (worker_pb2.SequenceStep(seq_id=801, token_ids=[1] * 9, sample=True, sampling=_sampling(), block_table=[0]),
+         grpc.StatusCode.INVALID_ARGUMENT),  # a block table too short
+        (worker_pb2.SequenceStep(seq_id=801, sample=True, sampling=_sampling(), block_table=[0]),
+         grpc.StatusCode.INVALID_ARGUMENT),  # nothing to feed
     ],
 )
 def test_bad_steps_map_to_status_codes(runner: ModelRunner, sequence, code):
+    """Steps that contradict the worker's state are refused whole; what one
+    request asks is refused per sequence (test_refusals.py)."""
     async def calls(stub):
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await stub.Step(worker_pb2.StepRequest(step_id=1, sequences=[sequence]))
@@ -138,21 +130,28 @@ def test_step_stream_runs_steps_sent_ahead_in_order(runner: ModelRunner):
     assert 902 not in runner.sequences
 
 
-def test_step_stream_ends_at_a_failed_step_and_runs_nothing_after_it(runner: ModelRunner):
+def test_a_failed_step_is_answered_in_the_stream_and_nothing_after_it_runs(runner: ModelRunner):
+    """The failed step's answer carries its status; the step sent after it (and
+    one sent after that answer) is not run, and the stream ends when the caller
+    ends it, without an error of its own (worker.proto, StepStreamResponse.error)."""
     async def calls(stub):
         stream = stub.StepStream()
-        bad = worker_pb2.SequenceStep(seq_id=903, num_computed_tokens=0, sample=True, sampling=_sampling(),
-                                      block_table=[0], feed_last_sampled=True)  # nothing was sampled
+        bad = worker_pb2.SequenceStep(seq_id=903, token_ids=[1, 2], sample=True, sampling=_sampling(),
+                                      block_table=[10**6])  # a block outside the pool
         after = worker_pb2.SequenceStep(seq_id=904, token_ids=[1, 2], sample=True, sampling=_sampling(),
                                         block_table=[1])
         await stream.write(worker_pb2.StepStreamRequest(step=worker_pb2.StepRequest(step_id=1, sequences=[bad])))
         await stream.write(worker_pb2.StepStreamRequest(step=worker_pb2.StepRequest(step_id=2, sequences=[after])))
-        with pytest.raises(grpc.aio.AioRpcError) as info:
-            await stream.read()
-        return info.value
+        answer = await stream.read()
+        await stream.write(worker_pb2.StepStreamRequest(step=worker_pb2.StepRequest(step_id=3, sequences=[after])))
+        await stream.done_writing()
+        return answer, await stream.read(), await stream.code()
 
-    error = asyncio.run(_with_server(WorkerServicer(runner), calls))
-    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "feed_last_sampled" in error.details()
+    answer, end, code = asyncio.run(_with_server(WorkerServicer(runner), calls))
+    assert not answer.HasField("step")
+    assert answer.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "block id outside" in answer.error.message
+    assert end is grpc.aio.EOF and code == grpc.StatusCode.OK
     assert 904 not in runner.sequences
 
 

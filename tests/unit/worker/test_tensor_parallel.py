@@ -160,10 +160,11 @@ def test_fewer_kv_heads_than_ranks_is_refused(model_dir):
                     max_batch_size=2, tensor_parallel=_Unjoined(4))
 
 
-def test_a_step_refused_for_its_grammar_never_reaches_the_other_ranks(runner, monkeypatch):
-    """A grammar compiles when its sequence first runs: a step refused for one
-    must be refused before rank 0 sends it, or the followers would run a
-    forward rank 0 dropped and pair its collectives with the next step's."""
+def test_a_sequence_refused_for_its_grammar_never_reaches_the_other_ranks(runner, monkeypatch):
+    """A grammar compiles when its sequence first runs: a sequence refused for
+    one must be left out before rank 0 sends the step, or the followers would
+    run a forward over a sequence rank 0 dropped; a step refused whole is
+    never sent."""
     led: list[list[int]] = []
 
     class Recorder:
@@ -174,9 +175,10 @@ def test_a_step_refused_for_its_grammar_never_reaches_the_other_ranks(runner, mo
     tables = BlockTables(runner)
     free = SamplingParams(temperature=0.0)
     broken = SamplingParams(temperature=0.0, grammar=GrammarSpec("json_schema", "{not json"))
-    with pytest.raises(ServiceError, match="seq 2"):
-        runner.step([tables.feed(1, [1, 2, 3], 0, True, free), tables.feed(2, [4, 5], 0, True, broken)])
-    assert led == [] and 1 not in runner.sequences  # all or nothing
-    runner.step([tables.feed(1, [1, 2, 3], 0, True, free)])
-    assert led == [[1]]
-    runner.step([], release_seq_ids=[1])
+    result = runner.step([tables.feed(1, [1, 2, 3], 0, True, free), tables.feed(2, [4, 5], 0, True, broken)])
+    assert led == [[1]] and 2 not in runner.sequences
+    assert [r.seq_id for r in result.refused] == [2] and "not valid JSON" in result.refused[0].message
+    with pytest.raises(ServiceError, match="appears twice"):
+        runner.step([tables.feed(3, [1], 0, True, free)] * 2)
+    assert led == [[1]] and 3 not in runner.sequences
+    runner.step([], release_seq_ids=[1, 2])

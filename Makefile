@@ -36,7 +36,7 @@ $(BUF): package.json package-lock.json
 $(THIRD_PARTY)/.vendored: $(VENV)/.installed Makefile
 	mkdir -p $(THIRD_PARTY)/google/api $(THIRD_PARTY)/google/rpc
 	cp $$($(PY) -c 'import os, google.api.annotations_pb2 as m; print(os.path.dirname(m.__file__))')/{annotations,http}.proto $(THIRD_PARTY)/google/api/
-	cp $$($(PY) -c 'import os, google.rpc.status_pb2 as m; print(os.path.dirname(m.__file__))')/status.proto $(THIRD_PARTY)/google/rpc/
+	cp $$($(PY) -c 'import os, google.rpc.status_pb2 as m; print(os.path.dirname(m.__file__))')/{status,error_details}.proto $(THIRD_PARTY)/google/rpc/
 	touch $@
 
 protos: gen/.stamp
@@ -48,12 +48,14 @@ gen/.stamp: $(PROTOS) $(THIRD_PARTY)/.vendored
 	touch $@
 
 # Envoy's grpc_json_transcoder reads the services from a descriptor set that
-# carries every imported file (google/api/*, google/protobuf/*) as well.
+# carries every imported file (google/api/*, google/protobuf/*) as well, and the
+# google.rpc details our statuses carry (ErrorInfo, RetryInfo), so that an error
+# transcodes to JSON with them.
 descriptors: gen/stormserve.pb
 
 gen/stormserve.pb: gen/.stamp
 	$(PY) -m grpc_tools.protoc -I proto -I $(THIRD_PARTY) --include_imports --include_source_info \
-		--descriptor_set_out=$@ $(PROTOS)
+		--descriptor_set_out=$@ $(PROTOS) google/rpc/error_details.proto
 
 lint: setup
 	$(BUF) lint

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime
+import ipaddress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,15 +53,23 @@ class TestCA:
         self.cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
 
     def issue(self, name: str, server: bool) -> Pair:
-        key = ec.generate_private_key(ec.SECP256R1())
         usage = ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH
+        return self._issue(name, [usage], ["localhost"] if server else None)
+
+    def issue_internal(self, name: str, server_name: str = "stormserve.internal") -> Pair:
+        """A certificate for internal mutual TLS (services/common/tls.py): server and
+        client auth in one, naming the internal server name (and localhost)."""
+        return self._issue(name, [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH],
+                           [server_name, "localhost"])
+
+    def _issue(self, name: str, usages: list, dns_names: list[str] | None) -> Pair:
+        key = ec.generate_private_key(ec.SECP256R1())
         builder = (_builder(name, self._name, key.public_key())
                    .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-                   .add_extension(x509.ExtendedKeyUsage([usage]), critical=False))
-        if server:
-            import ipaddress
+                   .add_extension(x509.ExtendedKeyUsage(usages), critical=False))
+        if dns_names is not None:
             builder = builder.add_extension(x509.SubjectAlternativeName([
-                x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+                *map(x509.DNSName, dns_names), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
         cert = builder.sign(self._key, hashes.SHA256())
         pair = Pair(self.directory / f"{name}.pem", self.directory / f"{name}.key")
         pair.cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))

@@ -20,13 +20,17 @@ STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
 class ServiceError(Exception):
     """Raised by domain code; the interceptor answers with `code` and the message,
     and with `error_reason` (when set) as a google.rpc.ErrorInfo in the status
-    details, for a caller that must tell apart refusals of one code."""
+    details, for a caller that must tell apart refusals of one code, and with
+    `retry_after_s` (when set) as a google.rpc.RetryInfo and a `retry-after`
+    trailer (HTTP's Retry-After once transcoded)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, error_reason: str = ""):
+    def __init__(self, code: grpc.StatusCode, message: str, error_reason: str = "",
+                 retry_after_s: int | None = None):
         super().__init__(message)
         self.code = code
         self.message = message
         self.error_reason = error_reason
+        self.retry_after_s = retry_after_s
 
 
 def invalid_argument(message: str) -> ServiceError:
@@ -41,6 +45,9 @@ STATUS_DETAILS_KEY = "grpc-status-details-bin"
 ERROR_DOMAIN = "stormserve"
 # ErrorInfo reasons. An INVALID_ARGUMENT whose input is larger than allowed (HTTP 413).
 PAYLOAD_TOO_LARGE = "PAYLOAD_TOO_LARGE"
+# A RESOURCE_EXHAUSTED for an API key's own limit, not the server's load (HTTP 429).
+RATE_LIMITED = "RATE_LIMITED"
+RETRY_AFTER_KEY = "retry-after"
 
 # Codes our services raise on purpose with a message written for the client
 # (the prompt is too long, the model is unknown, the queue is full...).
@@ -127,12 +134,29 @@ def status_proto(exc: BaseException, request_id: str = "") -> status_pb2.Status:
     status = status_pb2.Status(code=code.value[0], message=message)
     if isinstance(exc, ServiceError) and exc.error_reason:
         status.details.add().Pack(error_details_pb2.ErrorInfo(reason=exc.error_reason, domain=ERROR_DOMAIN))
+    if isinstance(exc, ServiceError) and exc.retry_after_s is not None:
+        status.details.add().Pack(error_details_pb2.RetryInfo(retry_delay={"seconds": exc.retry_after_s}))
     return status
 
 
-def status_trailers(status: status_pb2.Status) -> tuple[tuple[str, bytes], ...]:
-    """The trailing metadata that carries `status`'s details (none without details)."""
-    return ((STATUS_DETAILS_KEY, status.SerializeToString()),) if status.details else ()
+def status_trailers(status: status_pb2.Status) -> tuple[tuple[str, bytes | str], ...]:
+    """The trailing metadata that carries `status`'s details (none without
+    details), and its RetryInfo's delay as `retry-after` seconds."""
+    if not status.details:
+        return ()
+    trailers: list[tuple[str, bytes | str]] = [(STATUS_DETAILS_KEY, status.SerializeToString())]
+    retry = error_details_pb2.RetryInfo()
+    if any(detail.Unpack(retry) for detail in status.details):
+        trailers.append((RETRY_AFTER_KEY, str(retry.retry_delay.seconds)))
+    return tuple(trailers)
+
+
+def retry_after_s(trailing_metadata: Any) -> int | None:
+    """The `retry-after` seconds a status carries, None if none."""
+    for key, value in trailing_metadata or ():
+        if key == RETRY_AFTER_KEY and isinstance(value, str) and value.isdigit():
+            return int(value)
+    return None
 
 
 def error_reason(trailing_metadata: Any) -> str:

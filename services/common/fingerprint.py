@@ -10,8 +10,9 @@ time, no pid, no host), so every replica of one build serving one model
 agrees and a restart keeps it. Computed once per model, not per chunk.
 
 The tokenizer sets it on every ChatChunk, so ChatService callers (the edge,
-gRPC clients, Envoy's JSON transcoding) all get it; the edge computes the
-same value from ListModels' id and root for a chunk that comes without one.
+gRPC clients, Envoy's JSON transcoding) all get it, and on its ListModels
+answer, where the edge finds it for a chunk that comes without one (the
+weights' path is hashed in here and shown nowhere).
 """
 from __future__ import annotations
 

@@ -6,7 +6,12 @@ On the signal the health service turns NOT_SERVING for good (it keeps
 answering: a caller can tell a draining service from a dead one), new work is
 refused with UNAVAILABLE by the servicers (through `drain`), running calls go
 on until they are done or `drain_timeout_s` ends them with an error, and then
-the server stops."""
+the server stops.
+
+With internal TLS (services/common/tls.py) the port takes only clients with a
+certificate from the internal CA, and `health_port` opens a second, plaintext
+port that serves the same health service and nothing else: Kubernetes' gRPC
+probes cannot present a certificate."""
 from __future__ import annotations
 
 import asyncio
@@ -21,6 +26,7 @@ from grpc_reflection.v1alpha import reflection
 
 from services.common.drain import DEFAULT_DRAIN_TIMEOUT_S, Drain
 from services.common.errors import ErrorInterceptor
+from services.common.tls import InternalTls
 
 log = logging.getLogger(__name__)
 
@@ -37,14 +43,26 @@ CHANNEL_OPTIONS = [
 class GrpcService:
     """A grpc.aio server with health and reflection; `serve_forever` drains on signals."""
 
-    def __init__(self, name: str, host: str, port: int, drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S):
+    def __init__(self, name: str, host: str, port: int, drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
+                 tls: InternalTls | None = None, health_port: int = 0):
         self.name = name
         self.drain_timeout_s = drain_timeout_s
         self.drain = Drain(name)
         self.server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=CHANNEL_OPTIONS)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        address = f"{host}:{port}"
+        if tls is None:
+            self.port = self.server.add_insecure_port(address)
+        else:
+            self.port = self.server.add_secure_port(address, tls.server_credentials())
+        # The health-only server shares the servicer: the same statuses, the same drain.
+        self.health_server: grpc.aio.Server | None = None
+        self.health_port: int | None = None
+        if health_port:
+            self.health_server = grpc.aio.server()
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
+            self.health_port = self.health_server.add_insecure_port(f"{host}:{health_port}")
         self._service_names: list[str] = [health.SERVICE_NAME, reflection.SERVICE_NAME]
         self._stop = asyncio.Event()
 
@@ -57,10 +75,13 @@ class GrpcService:
         reflection.enable_server_reflection(self._service_names, self.server)
         await self.set_serving(False)
         await self.server.start()
+        if self.health_server is not None:
+            await self.health_server.start()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop)
-        log.info("%s listening on port %d", self.name, self.port)
+        log.info("%s listening on port %d%s", self.name, self.port,
+                 "" if self.health_port is None else f" (health only, plaintext: port {self.health_port})")
 
     async def set_serving(self, serving: bool) -> None:
         status = (
@@ -95,15 +116,20 @@ class GrpcService:
         drained = await self.drain.run(self.drain_timeout_s, is_idle, settle_s, final_s=FINAL_STATUS_S)
         # Calls still open now are idle streams (health watches): they get a moment, then are cut.
         await self.server.stop(FINAL_STATUS_S)
+        if self.health_server is not None:
+            await self.health_server.stop(0)
         if refusing is not None:
             refusing.cancel()
             await asyncio.gather(refusing, return_exceptions=True)
         return drained
 
 
-def channel(address: str) -> grpc.aio.Channel:
-    """A client channel with the same message limits as the servers."""
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+def channel(address: str, tls: InternalTls | None = None) -> grpc.aio.Channel:
+    """A client channel with the same message limits as the servers; with `tls`,
+    over mutual TLS (it presents its certificate and checks the server's)."""
+    if tls is None:
+        return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    return grpc.aio.secure_channel(address, tls.channel_credentials(), options=CHANNEL_OPTIONS + tls.channel_options())
 
 
 async def health_status(chan: grpc.aio.Channel, timeout_s: float = 2.0) -> int | None:

@@ -24,13 +24,15 @@ UnaryStreamCall (`read`, `async for`, `cancel`, errors as AioRpcError).
 
 A start message's `metadata` is what a per-request RPC carries in its headers:
 the caller's trace context (services/common/tracing.py), in which the
-handler then runs, on either RPC.
+handler then runs, and its credential (`authorization`); on either RPC the
+handler reads them with `call_metadata()`.
 """
 from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextvars import ContextVar
 from contextlib import aclosing, nullcontext
 from functools import partial
 from typing import Any
@@ -42,6 +44,16 @@ from services.common import tracing
 from services.common.drain import Drain
 from services.common.errors import (
     DRAIN_REFUSED, STATUS_CODES, request_id_of, status_of, status_proto, status_trailers)
+
+
+# The running call's metadata; each call runs in a task (or RPC) of its own.
+_call_metadata: ContextVar[Mapping[str, Any]] = ContextVar("call_metadata", default={})
+
+
+def call_metadata() -> Mapping[str, Any]:
+    """The metadata of the call whose handler runs: a per-request RPC's headers
+    (lower-case keys) or a multiplexed call's start `metadata`."""
+    return _call_metadata.get()
 
 
 def _error(code: grpc.StatusCode, details: str,
@@ -74,6 +86,7 @@ async def serve_calls(requests: AsyncIterator[Any], handle: Callable[[Any], Asyn
 
     async def run(call_id: int, request: Any, metadata: Any) -> None:
         tracing.attach(tracing.extract(metadata))  # this task's own context: never detached
+        _call_metadata.set(dict(metadata))
         try:
             with drain.carrying(asyncio.current_task()) if drain is not None else nullcontext():
                 async for response in handle(request):
@@ -147,8 +160,10 @@ def call_method(handle: Callable[[Any, Any], AsyncIterator[Any]]):
     async def method(self, request, context):
         drain = _drain_of(self)
         drain.refuse_new()
+        metadata = (context.invocation_metadata() if context is not None else None) or ()
         if tracing.enabled:
-            tracing.attach(tracing.extract(context.invocation_metadata()))  # the call's own task
+            tracing.attach(tracing.extract(metadata))  # the call's own task
+        _call_metadata.set(dict(metadata))
         try:
             with drain.carrying(asyncio.current_task()):
                 async for response in handle(self, request):
@@ -306,12 +321,13 @@ class CallMultiplexer:
         self._stream: _Stream | None = None
         self._ids = itertools.count(1)
 
-    def start(self, request: Any, timeout_s: float | None = None,
-              max_buffered_bytes: int | None = None) -> MultiplexedCall:
-        """Start a call; a `timeout_s` deadline cancels it and reads DEADLINE_EXCEEDED,
+    def start(self, request: Any, timeout_s: float | None = None, max_buffered_bytes: int | None = None,
+              metadata: Mapping[str, str] | None = None) -> MultiplexedCall:
+        """Start a call with `metadata` (as a per-request RPC's headers; the trace
+        context is added); a `timeout_s` deadline cancels it and reads DEADLINE_EXCEEDED,
         more than `max_buffered_bytes` unread cancels it and reads RESOURCE_EXHAUSTED."""
         call = MultiplexedCall(lambda: None, timeout_s, max_buffered_bytes)
-        call._request, call._metadata = request, tracing.inject()
+        call._request, call._metadata = request, {**(metadata or {}), **tracing.inject()}
         self._send(call)
         return call
 

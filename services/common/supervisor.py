@@ -11,6 +11,10 @@ services behind and in front of it reconnect by themselves. A service that
 dies during start-up stops the chain instead: that is a setup error, which
 restarting would only repeat.
 
+The internal_tls_* settings (services/common/tls.py; STORMSERVE_INTERNAL_TLS_*)
+reach every child through the environment, as every setting does; with them the
+edge serves HTTPS and this process checks its /health with the internal CA.
+
 SIGINT/SIGTERM stop every child (each drains gracefully, then is killed if it
 lingers) and no restart happens after that; children also get SIGTERM if this
 process dies, so nothing is orphaned.
@@ -37,6 +41,7 @@ from typing import TYPE_CHECKING
 from services.common.config import env_name, load_config, parse_bool
 from services.common.drain import DEFAULT_DRAIN_TIMEOUT_S
 from services.common.log import setup_logging
+from services.common.tls import InternalTls, InternalTlsSettings
 
 if TYPE_CHECKING:  # every service imports this module; only the supervisor needs Envoy's
     from services.envoy.config import EnvoyConfig
@@ -91,6 +96,8 @@ class Chain:
     # its HTTP port); one missing is given a free port at start. metrics=False: none.
     metrics: bool = True
     metrics_ports: dict[str, int] = field(default_factory=dict)
+    # Plaintext health-only ports (services/common/tls.py) by process name; none by default.
+    health_ports: dict[str, int] = field(default_factory=dict)
     # Envoy in front of the edge and the tokenizer (deploy/envoy), started last;
     # its edge and tokenizer ports are this chain's. None: no Envoy.
     envoy: EnvoyConfig | None = None
@@ -106,8 +113,13 @@ class Chain:
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
     @property
+    def internal_tls(self) -> InternalTls | None:
+        """Internal mutual TLS as the children see it (their environment); None when off."""
+        return InternalTls.of(load_config(InternalTlsSettings, argv=[], environ={**os.environ, **self.env}))
+
+    @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.edge_port}"
+        return f"{'https' if self.internal_tls else 'http'}://{self.host}:{self.edge_port}"
 
     @property
     def envoy_url(self) -> str | None:
@@ -124,6 +136,9 @@ class Chain:
             return ()
         return ("--metrics-port", str(self.metrics_ports.setdefault(name, free_port())))
 
+    def _health_flag(self, name: str) -> tuple[str, ...]:
+        return ("--health-port", str(self.health_ports[name])) if name in self.health_ports else ()
+
     def _threads_flag(self) -> tuple[str, ...]:
         """Workers on one host share its cores: unless the operator set
         NUM_THREADS, each gets its part, or their thread teams (each as large as
@@ -138,11 +153,13 @@ class Chain:
         internal = ("--host", "127.0.0.1")
         for i, port in enumerate(self.worker_ports):
             self._spawn(f"worker{i}", "services.worker", *internal, "--port", str(port),
-                        *self._metrics_flag(f"worker{i}"), *self._threads_flag())
+                        *self._metrics_flag(f"worker{i}"), *self._threads_flag(), *self._health_flag(f"worker{i}"))
         self._spawn("scheduler", "services.scheduler", *internal, "--port", str(self.scheduler_port),
-                    "--worker-addresses", ",".join(workers), *self._metrics_flag("scheduler"))
+                    "--worker-addresses", ",".join(workers), *self._metrics_flag("scheduler"),
+                    *self._health_flag("scheduler"))
         self._spawn("tokenizer", "services.tokenizer", *internal, "--port", str(self.tokenizer_port),
-                    "--scheduler-address", f"127.0.0.1:{self.scheduler_port}", *self._metrics_flag("tokenizer"))
+                    "--scheduler-address", f"127.0.0.1:{self.scheduler_port}", *self._metrics_flag("tokenizer"),
+                    *self._health_flag("tokenizer"))
         self._spawn("http_edge", "services.http_edge", "--host", self.host, "--port", str(self.edge_port),
                     "--tokenizer-address", f"127.0.0.1:{self.tokenizer_port}")
         if self.envoy is not None:
@@ -248,8 +265,10 @@ class Chain:
         raise TimeoutError(f"the chain did not become healthy within {timeout_s:.0f} s")
 
     def _healthy(self) -> bool:
+        tls = self.internal_tls
+        context = tls.client_ssl_context() if tls is not None else None
         try:
-            with urllib.request.urlopen(self.url + "/health", timeout=2) as reply:
+            with urllib.request.urlopen(self.url + "/health", timeout=2, context=context) as reply:
                 if reply.status != 200:
                     return False
         except (urllib.error.URLError, OSError):

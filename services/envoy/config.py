@@ -11,6 +11,8 @@ from pathlib import Path
 
 from services.common.config import require, setting
 from services.common.drain import drain_timeout_setting
+from services.common.tls import (check_internal_tls, tls_ca_file_setting, tls_cert_file_setting,
+                                 tls_key_file_setting, tls_server_name_setting)
 
 ROOT = Path(__file__).resolve().parents[2]
 DESCRIPTOR = ROOT / "gen" / "stormserve.pb"
@@ -59,6 +61,12 @@ class EnvoyConfig:
     envoy_cors_origins: tuple[str, ...] = setting(
         (), "comma list of origins (https://app.example.com) whose pages may call gRPC-Web (CORS); "
         "none means no CORS")
+    # Internal mutual TLS (services/common/tls.py), the services' settings: with them Envoy
+    # reaches the edge (HTTPS) and the tokenizer (gRPC) over TLS, presenting this certificate.
+    internal_tls_cert_file: str = tls_cert_file_setting()
+    internal_tls_key_file: str = tls_key_file_setting()
+    internal_tls_ca_file: str = tls_ca_file_setting()
+    internal_tls_server_name: str = tls_server_name_setting()
 
     def __post_init__(self) -> None:
         _address("edge_address", self.edge_address)
@@ -77,6 +85,7 @@ class EnvoyConfig:
                 "TLS needs both envoy_cert_file and envoy_key_file")
         require(not self.envoy_client_ca_file or bool(self.envoy_cert_file),
                 "mutual TLS (envoy_client_ca_file) needs server TLS (envoy_cert_file, envoy_key_file)")
+        check_internal_tls(self)
 
     @property
     def edge(self) -> tuple[str, int]:

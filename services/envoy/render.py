@@ -41,6 +41,9 @@ def render(config: EnvoyConfig) -> str:
         cors_origins=config.envoy_cors_origins,
         cert_file=config.envoy_cert_file, key_file=config.envoy_key_file,
         client_ca_file=config.envoy_client_ca_file,
+        upstream_tls=bool(config.internal_tls_ca_file), upstream_cert_file=config.internal_tls_cert_file,
+        upstream_key_file=config.internal_tls_key_file, upstream_ca_file=config.internal_tls_ca_file,
+        upstream_server_name=config.internal_tls_server_name,
     )
 
 

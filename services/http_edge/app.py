@@ -25,8 +25,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from stormserve.chat.v1 import chat_pb2
 
 from services.http_edge import openapi
-from services.http_edge.auth import ApiKeyCheck, load_api_keys
+from services.http_edge.auth import ApiKeyCheck, credential_metadata
+from services.common.api_keys import KeyStore
 from services.common.drain import Drain
+from services.common.tls import InternalTls
 from services.http_edge.backend import ChatBackend
 from services.http_edge.config import EdgeConfig
 from services.http_edge.drain import RefuseWhileDraining
@@ -49,7 +51,7 @@ def model_json(model: chat_pb2.Model) -> dict[str, Any]:
 
 
 def create_app(config: EdgeConfig, backend: ChatBackend | None = None) -> FastAPI:
-    backend = backend or ChatBackend(config.tokenizer_address, config.models_cache_s)
+    backend = backend or ChatBackend(config.tokenizer_address, config.models_cache_s, tls=InternalTls.of(config))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -76,7 +78,7 @@ def create_app(config: EdgeConfig, backend: ChatBackend | None = None) -> FastAP
     metrics = app.state.metrics = EdgeMetrics()
     app.add_middleware(ObserveMiddleware, metrics=metrics)
     chat_completions = ChatCompletions(config, backend)
-    api_keys = load_api_keys(config)
+    api_keys = KeyStore.from_config(config)
     # Runs before the body is read: an unauthenticated client cannot make us buffer 40 MiB.
     keyed = [Depends(ApiKeyCheck(api_keys))]
 
@@ -85,13 +87,13 @@ def create_app(config: EdgeConfig, backend: ChatBackend | None = None) -> FastAP
         return await chat_completions(request)
 
     @app.get("/v1/models", dependencies=keyed, openapi_extra=openapi.LIST_MODELS)
-    async def list_models() -> JSONResponse:
-        models = await backend.served_models()
+    async def list_models(request: Request) -> JSONResponse:
+        models = await backend.served_models(credential_metadata(request))
         return JSONResponse({"object": "list", "data": [model_json(m) for m in models]})
 
     @app.get("/v1/models/{model_id}", dependencies=keyed, openapi_extra=openapi.GET_MODEL)
-    async def get_model(model_id: str) -> JSONResponse:
-        for model in await backend.served_models():
+    async def get_model(model_id: str, request: Request) -> JSONResponse:
+        for model in await backend.served_models(credential_metadata(request)):
             if model.id == model_id:
                 return JSONResponse(model_json(model))
         raise EdgeError(404, "NotFoundError", f"Model {model_id} not found.")
@@ -108,7 +110,7 @@ def create_app(config: EdgeConfig, backend: ChatBackend | None = None) -> FastAP
 
     @app.get(openapi.OPENAPI_URL, dependencies=keyed, include_in_schema=False)
     async def openapi_json() -> JSONResponse:
-        return JSONResponse(openapi.openapi_document(app, keyed=bool(api_keys)))
+        return JSONResponse(openapi.openapi_document(app, keyed=api_keys.is_enabled))
 
     @app.get("/docs", dependencies=keyed, include_in_schema=False)
     async def docs() -> Response:

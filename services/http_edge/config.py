@@ -2,10 +2,13 @@
 variables, with the MindIE names (`maxRequestLength`, `e2eTimeout`) as aliases."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from services.common.api_keys import api_key_file_setting, api_keys_setting, check_api_keys
 from services.common.config import require, setting
 from services.common.drain import check_drain_timeout, drain_timeout_setting
+from services.common.tls import (check_internal_tls, tls_ca_file_setting, tls_cert_file_setting,
+                                 tls_key_file_setting, tls_server_name_setting)
 
 MAX_E2E_TIMEOUT_S = 65535  # MindIE's e2eTimeout range is [1, 65535] s
 MAX_HEADER_KIB = 1024  # a head above 1 MiB is no API request; also bounds what a client makes us buffer
@@ -55,14 +58,13 @@ class EdgeConfig:
         30.0, f"seconds a chat request body may take to arrive, (0, {MAX_E2E_TIMEOUT_S}]; "
         "past it 408 and the connection is closed"
     )
-    # Not `setting(...)`: that helper cannot hide a field from repr, and keys must
-    # never reach a log line or a traceback. Same help/alias metadata otherwise.
-    api_keys: tuple[str, ...] = field(default=(), repr=False, metadata={
-        "help": "comma list of accepted `Authorization: Bearer` keys; none (and no "
-                "api_key_file) means no check", "alias": None})
-    api_key_file: str = setting(
-        "", "file of accepted API keys, one per line (# comments); adds to api_keys"
-    )
+    api_keys: tuple[str, ...] = api_keys_setting()
+    api_key_file: str = api_key_file_setting()
+    # Internal mutual TLS (services/common/tls.py): the same settings in every service.
+    internal_tls_cert_file: str = tls_cert_file_setting()
+    internal_tls_key_file: str = tls_key_file_setting()
+    internal_tls_ca_file: str = tls_ca_file_setting()
+    internal_tls_server_name: str = tls_server_name_setting()
 
     def __post_init__(self) -> None:
         require(bool(self.host), "host must not be empty")
@@ -101,10 +103,8 @@ class EdgeConfig:
                 0 < value <= MAX_E2E_TIMEOUT_S,
                 f"{name} must be in (0, {MAX_E2E_TIMEOUT_S}], got {value}",
             )
-        require(
-            all(k and not any(c.isspace() for c in k) for k in self.api_keys),
-            "api_keys must be non-empty and hold no whitespace",
-        )
+        check_api_keys(self.api_keys)
+        check_internal_tls(self)
 
     @property
     def max_request_bytes(self) -> int:

@@ -15,22 +15,28 @@ otherwise (422 validation, 413 body size, 503 unavailable, 404 route).
 | gRPC INVALID_ARGUMENT, PAYLOAD_TOO_LARGE¹ | 413  | Payload Too Large      | 413  |
 | gRPC OUT_OF_RANGE (prompt too long)       | 424  | Generation Error       | 9999 |
 | gRPC UNAVAILABLE, RESOURCE_EXHAUSTED      | 503  | Service Unavailable    | 503  |
+| gRPC RESOURCE_EXHAUSTED, RATE_LIMITED¹    | 429  | Too Many Requests      | 429  |
 | e2eTimeout passed (request_timeout_s)     | 500  | Incomplete Generation  | 802  |
 | gRPC DEADLINE_EXCEEDED                    | 500  | Incomplete Generation  | 802  |
 | no `Authorization: Bearer` (keys set)     | 401  | Unauthorized           | 702  |
 | bearer token matches no key               | 401  | Unauthorized           | 801  |
-| gRPC UNAUTHENTICATED / PERMISSION_DENIED  | 401  | Unauthorized           | 801 / 702 |
+| gRPC UNAUTHENTICATED (the tokenizer's)    | 401  | Unauthorized           | 702 / 801² |
+| gRPC PERMISSION_DENIED                    | 401  | Unauthorized           | 702  |
 | any other gRPC status or edge failure     | 500  | Incomplete Generation  | 9999 |
 | chat POST whose Content-Type is not JSON  | 415  | Unsupported Media Type | 415  |
 | malformed HTTP (request line, framing)    | 400  | Bad Request            | 400  |
 | head above max_header_kib / max_headers   | 431  | Request Header Fields Too Large | 431 |
 | head or body slower than its read timeout | 408  | Request Timeout        | 408  |
+| internal TLS on, no client certificate³   | 403  | Forbidden              | 403  |
 
 ¹ the status's google.rpc.ErrorInfo reason (services.common.errors): a
-media part over its byte cap.
+media part over its byte cap; an API key over one of its limits, answered
+with the status's retry delay as Retry-After.
+² 702 when no key was sent, 801 for a key that matches none, as the edge's own check.
+³ any route but /health and /metrics (services/common/tls.py).
 
-400, 431 and the head's 408 are answered by the HTTP protocol itself
-(http_protocol.py), the body's 408 by `read_body`; all four close the connection.
+400, 431, 403 and the head's 408 are answered by the HTTP protocol itself
+(http_protocol.py), the body's 408 by `read_body`; all of them close the connection.
 
 The message of a gRPC status is shown only for the codes our services raise
 for clients (services.common.errors.client_message); any other status, or a
@@ -49,7 +55,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from services.common.errors import INTERNAL_ERROR, PAYLOAD_TOO_LARGE, client_message, error_reason
+from services.common.api_keys import NOT_PASSED
+from services.common.errors import (
+    INTERNAL_ERROR, PAYLOAD_TOO_LARGE, RATE_LIMITED, client_message, error_reason, retry_after_s)
 from services.common.validation import describe_validation
 from services.http_edge.observe import ERROR_SCOPE_KEY, record_of
 
@@ -61,6 +69,7 @@ GENERATION = "Generation Error"
 INCOMPLETE = "Incomplete Generation"
 UNAVAILABLE = "Service Unavailable"
 UNAUTHORIZED = "Unauthorized"
+TOO_MANY_REQUESTS = "Too Many Requests"
 CODE_TIMEOUT = 802
 CODE_GENERATION = 9999
 CODE_APIKEY = 801
@@ -122,6 +131,12 @@ def unsupported_media_type(content_type: str | None) -> EdgeError:
     return EdgeError(415, "Unsupported Media Type", f"Content-Type must be application/json, {sent}")
 
 
+def unauthorized(message: str) -> EdgeError:
+    """No key (702) or an unknown one (801); the 401 names the scheme it wants (RFC 9110)."""
+    code = CODE_NOT_AUTHORIZED if message == NOT_PASSED else CODE_APIKEY
+    return EdgeError(401, UNAUTHORIZED, message, code, headers={"WWW-Authenticate": "Bearer"})
+
+
 def unavailable(message: str) -> EdgeError:
     return EdgeError(503, UNAVAILABLE, message)
 
@@ -144,16 +159,26 @@ _GRPC_TO_HTTP: dict[grpc.StatusCode, tuple[int, str, int | None]] = {
 }
 
 
-def from_grpc(code: grpc.StatusCode, details: str | None, reason: str = "") -> EdgeError:
-    """The answer to a gRPC status; `reason` is its ErrorInfo reason (services.common.errors)."""
+def from_grpc(code: grpc.StatusCode, details: str | None, reason: str = "",
+              retry_after: int | None = None) -> EdgeError:
+    """The answer to a gRPC status; `reason` is its ErrorInfo reason and
+    `retry_after` its retry delay in seconds (services.common.errors)."""
     status, error_type, doc_code = _GRPC_TO_HTTP.get(code, (500, INCOMPLETE, CODE_GENERATION))
+    message = client_message(code, details)
+    headers = {}
     if code == grpc.StatusCode.INVALID_ARGUMENT and reason == PAYLOAD_TOO_LARGE:
         status, error_type = 413, TOO_LARGE
-    return EdgeError(status, error_type, client_message(code, details), doc_code)
+    elif code == grpc.StatusCode.RESOURCE_EXHAUSTED and reason == RATE_LIMITED:
+        status, error_type, doc_code = 429, TOO_MANY_REQUESTS, 429
+        headers["Retry-After"] = str(retry_after or 1)
+    elif code == grpc.StatusCode.UNAUTHENTICATED:
+        return unauthorized(message)
+    return EdgeError(status, error_type, message, doc_code, headers)
 
 
 def from_rpc_error(exc: grpc.aio.AioRpcError) -> EdgeError:
-    return from_grpc(exc.code(), exc.details(), error_reason(exc.trailing_metadata()))
+    trailers = exc.trailing_metadata()
+    return from_grpc(exc.code(), exc.details(), error_reason(trailers), retry_after_s(trailers))
 
 
 def from_chat_error(code: int, message: str, error_type: str) -> EdgeError:

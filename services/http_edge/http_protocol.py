@@ -19,6 +19,12 @@ byte), and answers malformed HTTP in plain text. This subclass, per connection:
   and cancels its request; a whole (non-stream) reply, written in one piece
   and done with as far as the app knows, is freed with it.
 
+With internal mutual TLS (services/common/tls.py) the connection is HTTPS and
+a client certificate is optional at the TLS layer (one that is sent must be
+from the internal CA): kubelet probes and Prometheus have none. A request on
+a connection without one gets 403 unless it is for /health or /metrics, as
+soon as its head is read (before any body is).
+
 Every answer uses errors.py's body and closes the connection: the parser is
 mid-request and the rest of that request cannot be told from the next one.
 The body's own timeout is `read_body`'s (serving.py), where the body is read.
@@ -52,6 +58,13 @@ LINGER_S = 2.0
 # stops reading would park that much of its reply in the kernel before the
 # transport paused writing and the stall timer could see it fall behind.
 SEND_BUFFER_BYTES = 256 * 1024
+# What a caller without a client certificate may ask for when internal TLS is on.
+OPEN_PATHS = frozenset({b"/health", b"/metrics"})
+
+
+def certificate_required() -> EdgeError:
+    return EdgeError(403, "Forbidden", "A client certificate from the internal CA is required "
+                                       "(internal TLS); only /health and /metrics answer without one.")
 
 
 class EdgeHttpProtocol(HttpToolsProtocol):
@@ -59,13 +72,15 @@ class EdgeHttpProtocol(HttpToolsProtocol):
 
     limits: ClassVar[EdgeConfig]
     metrics: ClassVar[EdgeMetrics | None] = None
+    needs_certificate: ClassVar[bool] = False  # internal TLS: API routes need a client certificate
 
     @classmethod
     def for_config(cls, config: EdgeConfig, metrics: EdgeMetrics | None = None) -> type[EdgeHttpProtocol]:
         """A subclass bound to `config` and the app's metrics (which count its
         refusals): uvicorn builds protocols from a class and its own Config, so
         they travel as class attributes."""
-        return type(cls.__name__, (cls,), {"limits": config, "metrics": metrics})
+        return type(cls.__name__, (cls,), {"limits": config, "metrics": metrics,
+                                           "needs_certificate": bool(config.internal_tls_ca_file)})
 
     def __init__(self, config: Config, server_state: ServerState, app_state: dict[str, Any],
                  _loop: asyncio.AbstractEventLoop | None = None) -> None:
@@ -79,11 +94,15 @@ class EdgeHttpProtocol(HttpToolsProtocol):
         self._stall_timer: asyncio.TimerHandle | None = None  # armed while writing is paused
         self._refusal: EdgeError | None = None  # raised out of a parser callback
         self._lingering = False  # refused: input is read and dropped until the close
+        self._has_certificate = False  # the TLS peer sent a certificate (verified against the CA)
 
     # -- connection events ----------------------------------------------------
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        # The handshake is over: a certificate the CA did not sign has already failed it.
+        ssl_object = transport.get_extra_info("ssl_object")
+        self._has_certificate = ssl_object is not None and ssl_object.getpeercert(binary_form=True) is not None
         sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
@@ -157,6 +176,8 @@ class EdgeHttpProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._phase = "body"
         self._cancel_head_timer()
+        if self.needs_certificate and not self._has_certificate and not self._is_open_path():
+            self._raise(certificate_required())
         super().on_headers_complete()
 
     def on_message_complete(self) -> None:
@@ -180,6 +201,12 @@ class EdgeHttpProtocol(HttpToolsProtocol):
         HttpParserCallbackError, so the refusal itself waits in `_refusal`."""
         self._refusal = error
         raise error
+
+    def _is_open_path(self) -> bool:
+        try:
+            return httptools.parse_url(self.url).path in OPEN_PATHS
+        except httptools.HttpParserInvalidURLError:
+            return False
 
     def _peer(self) -> str:
         return "%s:%d" % self.client if self.client else "a client"

@@ -56,8 +56,9 @@ CHAT_COMPLETIONS = {
                 "text/event-stream": {"schema": {"oneOf": [ref("ChatCompletionChunk"), ref("StreamErrorFrame")]}},
             },
         },
-        # 408 also for a body that came too slowly, 415 for a body not declared JSON
-        **errors(401, 413, 415, 422, 424, 500, 503),
+        # 408 also for a body that came too slowly, 415 for a body not declared JSON,
+        # 429 for an API key over one of its limits (with Retry-After)
+        **errors(401, 413, 415, 422, 424, 429, 500, 503),
     },
 }
 LIST_MODELS = {"responses": {"200": {"description": "the served models", "content": json_content("ModelList")},

@@ -20,6 +20,7 @@ import grpc
 import uvicorn
 
 from services.common.drain import Drain
+from services.common.tls import InternalTls
 from services.http_edge.app import create_app
 from services.http_edge.backend import ChatBackend
 from services.http_edge.config import EdgeConfig
@@ -74,6 +75,7 @@ class DrainingServer(uvicorn.Server):
 
 def build_server(config: EdgeConfig) -> DrainingServer:
     app = create_app(config)
+    tls = InternalTls.of(config)
     return DrainingServer(
         uvicorn.Config(
             app,
@@ -88,6 +90,8 @@ def build_server(config: EdgeConfig) -> DrainingServer:
             log_config=None,  # keep services.common.log's format
             access_log=False,  # observe.py writes the one access line per request
             timeout_graceful_shutdown=FINAL_S,
+            # Internal mutual TLS: HTTPS, and the protocol refuses a request without a client certificate.
+            **(tls.edge_ssl_settings() if tls is not None else {}),
         ),
         app.state.drain, app.state.backend, config.drain_timeout_s,
     )
@@ -97,6 +101,7 @@ def run(config: EdgeConfig) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _exit_cleanly)
     log.info(
-        "http_edge on %s:%d -> ChatService at %s", config.host, config.port, config.tokenizer_address
+        "http_edge on %s:%d -> ChatService at %s%s", config.host, config.port, config.tokenizer_address,
+        " (internal mutual TLS)" if config.internal_tls_ca_file else "",
     )
     build_server(config).run()

@@ -29,9 +29,9 @@ from starlette.responses import JSONResponse, Response
 from stormserve.chat.v1 import chat_pb2
 
 from services.common.chat_protocol import ChatCompletionRequest
-from services.common.fingerprint import system_fingerprint
 from services.common.multiplex import MultiplexedCall
 from services.common.validation import describe_validation, field_path
+from services.http_edge.auth import credential_metadata
 from services.http_edge.backend import ChatBackend
 from services.http_edge.config import EdgeConfig
 from services.http_edge.convert import now_us, to_chat_request
@@ -265,7 +265,8 @@ class ChatCompletions:
         except ClientDisconnect:
             return Response(status_code=CLIENT_CLOSED)
         chat = parse_chat_request(body)
-        model = await self.backend.require_model(chat.model)
+        credential = credential_metadata(request)
+        model = await self.backend.require_model(chat.model, credential)
         record = record_of(request.scope) or RequestRecord("", time.monotonic())
         record.model = chat.model
         grpc_request = to_chat_request(chat, request_id=record.request_id or None, arrival_time_us=arrival_us)
@@ -275,11 +276,11 @@ class ChatCompletions:
             created=arrival_us // 1_000_000,
             include_logprobs=chat.wants_logprobs,
             null_usage=chat.stream and chat.include_usage is True,
-            system_fingerprint=system_fingerprint(model.id, model.root),
+            system_fingerprint=model.system_fingerprint,
         )
         # A stream is read as fast as the client takes it: bound what waits for a slow reader.
         buffer_bytes = self.config.stream_buffer_kib * 1024 if chat.stream else None
-        call = self.backend.chat(grpc_request, deadline.remaining_s(), buffer_bytes)
+        call = self.backend.chat(grpc_request, deadline.remaining_s(), buffer_bytes, credential)
         handed_off = False
         try:
             if chat.stream:

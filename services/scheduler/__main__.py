@@ -9,6 +9,7 @@ from services.common import tracing
 from services.common.log import setup_logging
 from services.common.metrics import serve_metrics
 from services.common.supervisor import exit_with_supervisor
+from services.common.tls import InternalTls
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.discovery import WorkerPool, merge_slices
 from services.scheduler.engine import EngineLoop
@@ -31,10 +32,11 @@ async def main() -> None:
     # Off when metrics_port is 0: then nothing is recorded. The collector reads the
     # router's list of engines, which discovery changes in place.
     router = Router([])
+    tls = InternalTls.of(config)
     metrics = SchedulerMetrics(config.model_name, config.max_seq_len, router.engines) if config.metrics_port else None
 
     def make_engine(address: str) -> EngineLoop:
-        engine = EngineLoop(WorkerClient(address), config.max_batch_size, config.max_prefill_tokens,
+        engine = EngineLoop(WorkerClient(address, tls), config.max_batch_size, config.max_prefill_tokens,
                             config.speculation)
         if metrics is not None:
             engine.metrics = metrics.engine()  # its `engine` label, from the workers in the router now
@@ -61,7 +63,7 @@ async def main() -> None:
         watcher = EndpointSliceWatcher(api, config.worker_service, on_slices)
         log.info("workers: the EndpointSlices of service %s/%s at %s", api.namespace, config.worker_service,
                  api.base_url)
-    service = GrpcService("scheduler", config.host, config.port, config.drain_timeout_s)
+    service = GrpcService("scheduler", config.host, config.port, config.drain_timeout_s, tls, config.health_port)
     service.add(
         scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server,
         SchedulerServicer(config, router, service.drain, metrics),

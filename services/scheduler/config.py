@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 from services.common.config import require, setting
 from services.common.drain import check_drain_timeout, drain_timeout_setting
+from services.common.tls import (check_internal_tls, health_port_setting, tls_ca_file_setting,
+                                 tls_cert_file_setting, tls_key_file_setting, tls_server_name_setting)
 from services.common.model_files import DEFAULT_MODEL_NAME
 from services.scheduler.speculation import METHODS, SpeculationConfig
 
@@ -43,6 +45,12 @@ class SchedulerConfig:
     speculative_max_draft_tokens: int = setting(8, "most tokens drafted for a sequence in one step")
     speculative_draft_token_budget: int = setting(
         24, "drafted tokens one step may carry, less one per running sequence (0 drafts from that many on)")
+    # Internal mutual TLS (services/common/tls.py): the same settings in every service.
+    internal_tls_cert_file: str = tls_cert_file_setting()
+    internal_tls_key_file: str = tls_key_file_setting()
+    internal_tls_ca_file: str = tls_ca_file_setting()
+    internal_tls_server_name: str = tls_server_name_setting()
+    health_port: int = health_port_setting()
 
     def __post_init__(self) -> None:
         require(self.worker_discovery in ("static", "endpointslices"),
@@ -61,6 +69,7 @@ class SchedulerConfig:
         require(self.speculative_method in METHODS, f"speculative_method must be one of {', '.join(METHODS)}")
         require(1 <= self.speculative_max_draft_tokens <= 64, "speculative_max_draft_tokens must be in [1, 64]")
         require(self.speculative_draft_token_budget >= 0, "speculative_draft_token_budget must be >= 0")
+        check_internal_tls(self)
 
     @property
     def speculation(self) -> SpeculationConfig:

@@ -11,6 +11,7 @@ from grpc_health.v1 import health_pb2
 
 from services.common.errors import STATUS_CODES
 from services.common.grpc_server import channel, health_status
+from services.common.tls import InternalTls
 from services.scheduler.plan import SampledToken, ScheduledSequence, StepAnswer, StepPlan, WorkerCapacity
 from stormserve.worker.v1 import worker_pb2, worker_pb2_grpc
 
@@ -39,9 +40,9 @@ class WorkerHealth(enum.Enum):
 
 
 class WorkerClient:
-    def __init__(self, address: str):
+    def __init__(self, address: str, tls: InternalTls | None = None):
         self.address = address
-        self._channel = channel(address)
+        self._channel = channel(address, tls)  # steps, Describe and health polls alike
         self._stub = worker_pb2_grpc.WorkerServiceStub(self._channel)
         self._steps: grpc.aio.StreamStreamCall | None = None
 

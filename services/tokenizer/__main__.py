@@ -5,6 +5,7 @@ import asyncio
 
 from transformers import AutoConfig, AutoTokenizer
 
+from services.common.api_keys import KeyStore
 from services.common.config import load_config
 from services.common.grpc_server import GrpcService, channel, is_serving
 from services.common import tracing
@@ -12,8 +13,10 @@ from services.common.log import setup_logging
 from services.common.media_parts import has_vision_tower
 from services.common.metrics import process_registry, serve_metrics_in_thread
 from services.common.supervisor import exit_with_supervisor
+from services.common.tls import InternalTls
 from services.common.model_files import resolve_model
 from services.tokenizer.config import TokenizerConfig
+from services.tokenizer.key_gate import KeyGate, KeyMetrics
 from services.tokenizer.multimodal import ImageProcessor
 from services.tokenizer.server import ChatServicer, SchedulerClient, TokenizerCore, TokenizerServicer
 from stormserve.chat.v1 import chat_pb2, chat_pb2_grpc
@@ -27,9 +30,12 @@ async def main() -> None:
     config = load_config(TokenizerConfig)
     log = setup_logging("tokenizer")
     tracing.setup("tokenizer")
-    service = GrpcService("tokenizer", config.host, config.port, config.drain_timeout_s)
-    if config.metrics_port:
-        serve_metrics_in_thread(process_registry(), config.host, config.metrics_port)
+    tls = InternalTls.of(config)
+    service = GrpcService("tokenizer", config.host, config.port, config.drain_timeout_s, tls, config.health_port)
+    registry = process_registry() if config.metrics_port else None
+    gate = KeyGate(KeyStore.from_config(config), KeyMetrics(registry) if registry is not None else None)
+    if registry is not None:
+        serve_metrics_in_thread(registry, config.host, config.metrics_port)
     model_dir = await asyncio.to_thread(resolve_model, config.model_path)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model_config = AutoConfig.from_pretrained(model_dir)
@@ -40,11 +46,11 @@ async def main() -> None:
                          model_type=getattr(model_config, "model_type", "") or "", images=images)
     # Render processes start before the service says it is serving, not on the first requests.
     await asyncio.to_thread(core.prompts.warm_up)
-    scheduler_channel = channel(config.scheduler_address)
+    scheduler_channel = channel(config.scheduler_address, tls)
     scheduler = SchedulerClient(scheduler_channel)
-    service.add(chat_pb2_grpc.add_ChatServiceServicer_to_server, ChatServicer(core, scheduler, service.drain),
+    service.add(chat_pb2_grpc.add_ChatServiceServicer_to_server, ChatServicer(core, scheduler, gate, service.drain),
                 chat_pb2.DESCRIPTOR.services_by_name["ChatService"])
-    service.add(tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server, TokenizerServicer(core),
+    service.add(tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server, TokenizerServicer(core, gate),
                 tokenizer_pb2.DESCRIPTOR.services_by_name["TokenizerService"])
     await service.start()
     log.info("model %s from %s; input limit %d tokens (templates may write %d characters); tool format %s; "

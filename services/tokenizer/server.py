@@ -14,10 +14,13 @@ from services.common import tracing
 from services.common.drain import Drain
 from services.common.errors import ServiceError, client_message, invalid_argument
 from services.common.fingerprint import system_fingerprint
-from services.common.multiplex import CallMultiplexer, MultiplexedCall, call_method, multiplexed_method
+from services.common.api_keys import KeyStore
+from services.common.multiplex import (
+    CallMultiplexer, MultiplexedCall, call_metadata, call_method, multiplexed_method)
 from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.formats import ModelFormats, OutputOptions, output_options
 from services.tokenizer.grammar import response_format_grammar
+from services.tokenizer.key_gate import Admission, KeyGate
 from services.tokenizer.multimodal import ImageProcessor
 from services.tokenizer.output import ChoiceOutput
 from services.tokenizer.parsers.reasoning import THINK_END
@@ -143,18 +146,21 @@ class SchedulerClient:
 
 
 class ChatServicer(chat_pb2_grpc.ChatServiceServicer):
-    def __init__(self, core: TokenizerCore, scheduler: SchedulerClient, drain: Drain | None = None):
+    def __init__(self, core: TokenizerCore, scheduler: SchedulerClient, gate: KeyGate | None = None,
+                 drain: Drain | None = None):
         self.core = core
         self.scheduler = scheduler
+        self.gate = gate or KeyGate(KeyStore())  # every call's key and its limits
         self.drain = drain or Drain("tokenizer")  # refuses new Chat calls once SIGTERM came
 
     async def _chat(self, request):
-        with tracing.span("chat", trace.SpanKind.SERVER) as span:
-            async for response in self._respond(request, span):
+        # The key first: an unauthenticated caller learns nothing of the request's rules.
+        with self.gate.admit(call_metadata()) as admission, tracing.span("chat", trace.SpanKind.SERVER) as span:
+            async for response in self._respond(request, span, admission):
                 response.chunk.system_fingerprint = self.core.system_fingerprint
                 yield response
 
-    async def _respond(self, request, span):
+    async def _respond(self, request, span, admission: Admission):
         arrival_us = request.arrival_time_us or time.time_ns() // 1000
         check_chat_request(request)
         self.core.check_model(request.model)
@@ -222,23 +228,28 @@ class ChatServicer(chat_pb2_grpc.ChatServiceServicer):
         finally:
             # Ends the sequence in the scheduler on a stop string or when our caller went away.
             call.cancel()
+            admission.add_tokens(len(prompt.token_ids) + sum(o.completion_tokens for o in outputs))
 
     Chat = call_method(_chat)
     ChatStream = multiplexed_method(_chat, chat_pb2.ChatStreamResponse, chat_pb2.ChatStreamEvent)
 
     async def ListModels(self, request, context):
+        self.gate.authenticate(context.invocation_metadata())
         core = self.core
         return chat_pb2.ListModelsResponse(models=[chat_pb2.Model(
-            id=core.config.model_name, root=core.model_root, created=core.created,
+            id=core.config.model_name, root=core.config.model_name, created=core.created,
             owned_by="stormserve", max_model_len=core.config.max_seq_len,
+            system_fingerprint=core.system_fingerprint,
         )])
 
 
 class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
-    def __init__(self, core: TokenizerCore):
+    def __init__(self, core: TokenizerCore, gate: KeyGate | None = None):
         self.core = core
+        self.gate = gate or KeyGate(KeyStore())
 
     async def Tokenize(self, request, context):
+        self.gate.authenticate(context.invocation_metadata())
         self.core.check_model(request.model)
         # Off the event loop: a long text would hold every other call of this process.
         ids = await asyncio.to_thread(self.core.tokenizer.encode, request.text,
@@ -248,12 +259,14 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
         )
 
     async def Detokenize(self, request, context):
+        self.gate.authenticate(context.invocation_metadata())
         self.core.check_model(request.model)
         text = await asyncio.to_thread(self.core.tokenizer.decode, list(request.token_ids),
                                        skip_special_tokens=request.skip_special_tokens)
         return tokenizer_pb2.DetokenizeResponse(text=text)
 
     async def ApplyChatTemplate(self, request, context):
+        self.gate.authenticate(context.invocation_metadata())
         self.core.check_model(request.model)
         check_messages(request.messages)
         add = request.add_generation_prompt if request.HasField("add_generation_prompt") else True

@@ -11,6 +11,7 @@ from services.common import tracing
 from services.common.log import setup_logging
 from services.common.metrics import process_registry, serve_metrics_in_thread
 from services.common.supervisor import exit_with_supervisor
+from services.common.tls import InternalTls
 from services.worker.config import WorkerConfig
 from services.worker.follower import build_runner
 from services.worker.model_runner import ModelRunner
@@ -38,7 +39,8 @@ DRAIN_SETTLE_S = 2.0
 
 
 async def serve(config: WorkerConfig, log: logging.Logger) -> None:
-    service = GrpcService("worker", config.host, config.port, config.drain_timeout_s)
+    service = GrpcService("worker", config.host, config.port, config.drain_timeout_s, InternalTls.of(config),
+                          config.health_port)
     if config.metrics_port:
         serve_metrics_in_thread(process_registry(), config.host, config.metrics_port)
     servicer = WorkerServicer(drain=service.drain)

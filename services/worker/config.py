@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 from services.common.config import require, setting
 from services.common.drain import check_drain_timeout, drain_timeout_setting
+from services.common.tls import (check_internal_tls, health_port_setting, tls_ca_file_setting,
+                                 tls_cert_file_setting, tls_key_file_setting, tls_server_name_setting)
 
 DEVICES = ("auto", "cpu", "cuda", "npu")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -44,6 +46,12 @@ class WorkerConfig:
         1, "ranks (processes, one device each) the model is split over; rank 0 serves", alias="tensorParallelSize",
     )
     drain_timeout_s: float = drain_timeout_setting()
+    # Internal mutual TLS (services/common/tls.py): the same settings in every service.
+    internal_tls_cert_file: str = tls_cert_file_setting()
+    internal_tls_key_file: str = tls_key_file_setting()
+    internal_tls_ca_file: str = tls_ca_file_setting()
+    internal_tls_server_name: str = tls_server_name_setting()
+    health_port: int = health_port_setting()
 
     def __post_init__(self) -> None:
         require(0 <= self.port <= 65535, f"port must be in [0, 65535], got {self.port}")
@@ -60,3 +68,4 @@ class WorkerConfig:
         require(self.num_threads >= 0, f"num_threads must be >= 0, got {self.num_threads}")
         require(self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         check_drain_timeout(self.drain_timeout_s)
+        check_internal_tls(self)

@@ -30,7 +30,8 @@ VALUE_SETS: dict[str, dict] = {
                        "nodeSelectorTerms": [{"matchExpressions": [
                            {"key": "nvidia.com/gpu.present", "operator": "In", "values": ["true"]}]}]}}}},
         "model": {"source": "hostPath", "hostPath": {"path": "/data/models/smollm2.gguf", "type": "File"}},
-        "apiKeys": {"keys": ["key-one", "key-two"]},
+        "apiKeys": {"keys": ["key-one", {"key": "key-two", "name": "team-b", "requestsPerSecond": 2.5,
+                                          "maxConcurrent": 4, "tokensPerMinute": 60000}]},
         "edge": {"service": {"type": "LoadBalancer"}},
     },
     "existing-secret": {"apiKeys": {"existingSecret": "stormserve-keys", "existingSecretKey": "keys"}},
@@ -63,6 +64,17 @@ VALUE_SETS: dict[str, dict] = {
                   "tls": {"secretName": "stormserve-tls", "clientCASecretName": "stormserve-client-ca"}},
         "networkPolicy": {"edgeFrom": [{"ipBlock": {"cidr": "10.0.0.0/8"}}]},
         "config": {"MAX_REQUEST_MIB": "8", "REQUEST_TIMEOUT_S": "300"},
+    },
+    # Internal mutual TLS (tests/deploy/test_chart_internal_tls.py): from an operator's Secret,
+    # Envoy in front; and from cert-manager, with metrics scraped over it.
+    "internal-tls-secret": {
+        "tls": {"internal": {"enabled": True, "secretName": "stormserve-internal-tls"}},
+        "envoy": {"enabled": True},
+    },
+    "internal-tls-cert-manager": {
+        "tls": {"internal": {"enabled": True, "serverName": "llm.internal.example",
+                             "certManager": {"issuerRef": {"name": "stormserve-ca", "kind": "ClusterIssuer"}}}},
+        "metrics": {"enabled": True, "podMonitor": {"enabled": True}},
     },
 }
 

@@ -16,6 +16,7 @@ import kubernetes_validate
 import kubernetes_validate.utils
 import pytest
 
+from services.common.api_keys import KeyLimits, read_key_file
 from services.common.config import load_config
 from services.http_edge.config import EdgeConfig
 from services.scheduler.config import SchedulerConfig
@@ -38,7 +39,8 @@ KUBE_VERSIONS = ("1.29", "1.37")
 
 # Custom resources the value sets render on purpose: no Kubernetes schema knows
 # them, so they are skipped by name; any other kind without a schema fails.
-CUSTOM_RESOURCES = {("keda.sh/v1alpha1", "ScaledObject"), ("monitoring.coreos.com/v1", "PodMonitor")}
+CUSTOM_RESOURCES = {("keda.sh/v1alpha1", "ScaledObject"), ("monitoring.coreos.com/v1", "PodMonitor"),
+                    ("cert-manager.io/v1", "Certificate")}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -76,7 +78,9 @@ def test_every_object_validates_strictly(value_set, version):
         except kubernetes_validate.ValidationError as exc:
             pytest.fail(f"{obj['kind']}/{obj['metadata']['name']} at {'.'.join(map(str, exc.path))}: {exc.message}")
     expected = {"custom-metrics": {("keda.sh/v1alpha1", "ScaledObject")},
-                "metrics": {("monitoring.coreos.com/v1", "PodMonitor")}}
+                "metrics": {("monitoring.coreos.com/v1", "PodMonitor")},
+                "internal-tls-cert-manager": {("monitoring.coreos.com/v1", "PodMonitor"),
+                                              ("cert-manager.io/v1", "Certificate")}}
     assert skipped == expected.get(value_set, set())
 
 
@@ -113,6 +117,9 @@ BAD_VALUES = [
     ({"scheduler": {"workerDiscovery": "pods"}}, "at '/scheduler/workerDiscovery'"),
     ({"config": {"max_seq_len": "100"}}, "'max_seq_len' does not match pattern"),
     ({"tracing": {"otlpEndpoint": "otel-collector:4317"}}, "at '/tracing/otlpEndpoint'"),
+    ({"apiKeys": {"keys": ["a,b"]}}, "at '/apiKeys/keys/0'"),
+    ({"apiKeys": {"keys": [{"name": "team-a"}]}}, "at '/apiKeys/keys/0'"),
+    ({"apiKeys": {"keys": [{"key": "k", "maxConcurrent": -1}]}}, "at '/apiKeys/keys/0'"),
 ]
 
 
@@ -202,21 +209,26 @@ def test_addresses_name_services_and_their_ports():
                     assert int(port) in [p["port"] for p in services[host]["spec"]["ports"]], (value_set, name)
 
 
-def test_api_keys_come_from_the_secret():
+def test_api_keys_come_from_the_secret_as_a_key_file_both_doors_read(tmp_path):
     objects = rendered("cuda")
     (secret,) = of_kind(objects, "Secret")
-    assert base64.b64decode(secret["data"]["api-keys"]).decode() == "key-one,key-two"
-    edge = next(c for _, c, m in containers(objects) if m == "http_edge")
-    (item,) = [e for e in edge["env"] if e["name"] == "STORMSERVE_API_KEYS"]
-    assert item["valueFrom"]["secretKeyRef"] == {"name": secret["metadata"]["name"], "key": "api-keys"}
-    assert load_config(EdgeConfig, [], {"STORMSERVE_API_KEYS": "key-one,key-two"}).api_keys == ("key-one", "key-two")
-
-    objects = rendered("existing-secret")
-    assert not of_kind(objects, "Secret")
-    edge = next(c for _, c, m in containers(objects) if m == "http_edge")
-    (item,) = [e for e in edge["env"] if e["name"] == "STORMSERVE_API_KEYS"]
-    assert item["valueFrom"]["secretKeyRef"] == {"name": "stormserve-keys", "key": "keys"}
+    key_file = base64.b64decode(secret["data"]["api-keys"]).decode()
+    assert key_file == ("key-one\nkey-two name=team-b requests_per_second=2.5 max_concurrent=4 "
+                        "tokens_per_minute=60000\n")
+    (tmp_path / "api-keys").write_text(key_file)
+    keys = {k.name: k.limits for k in read_key_file(str(tmp_path / "api-keys"))}
+    assert keys["team-b"] == KeyLimits(2.5, 4, 60000) and len(keys) == 2
+    for value_set, secret_name, secret_key in (("cuda", secret["metadata"]["name"], "api-keys"),
+                                               ("existing-secret", "stormserve-keys", "keys")):
+        objects = rendered(value_set)
+        for workload, container, module in containers(objects):
+            env = container_env(objects, container)
+            if module not in ("http_edge", "tokenizer"):
+                assert "STORMSERVE_API_KEY_FILE" not in env and "STORMSERVE_API_KEYS" not in env
+                continue
+            (mount,) = [m for m in container["volumeMounts"] if m["name"] == "api-keys"]
+            (volume,) = [v for v in workload["spec"]["template"]["spec"]["volumes"] if v["name"] == "api-keys"]
+            assert volume["secret"]["secretName"] == secret_name
+            assert env["STORMSERVE_API_KEY_FILE"] == f"{mount['mountPath']}/{secret_key}"
+    assert not of_kind(rendered("existing-secret"), "Secret")
     assert "Authorization: Bearer" in notes("existing-secret") and "stormserve-keys" in notes("existing-secret")
-    for _, c, m in containers(objects):
-        if m != "http_edge":
-            assert "STORMSERVE_API_KEYS" not in container_env(objects, c)

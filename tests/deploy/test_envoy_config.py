@@ -1,5 +1,6 @@
 """deploy/envoy: the rendered config passes the real Envoy's `--mode validate`
-(plain, TLS, mutual TLS) and carries the edge's limits."""
+(plain, TLS, mutual TLS, internal mutual TLS to the upstreams) and carries the
+edge's limits."""
 from __future__ import annotations
 
 import dataclasses
@@ -30,6 +31,8 @@ def configs(ca, server):
                            envoy_cors_origins=("https://app.example.com",)),
         "mtls": EnvoyConfig(envoy_cert_file=str(server.cert), envoy_key_file=str(server.key),
                             envoy_client_ca_file=str(ca.cert)),
+        "internal-tls": EnvoyConfig(internal_tls_cert_file=str(server.cert), internal_tls_key_file=str(server.key),
+                                    internal_tls_ca_file=str(ca.cert)),
     }
 
 
@@ -38,7 +41,7 @@ def test_the_wheel_carries_envoy():
     assert "/1.40.0/" in version.stdout, version.stdout + version.stderr
 
 
-@pytest.mark.parametrize("kind", ["plain", "tls", "mtls"])
+@pytest.mark.parametrize("kind", ["plain", "tls", "mtls", "internal-tls"])
 def test_envoy_validates_the_rendered_config(kind, tls_files, tmp_path):
     assert DESCRIPTOR.exists(), "make descriptors builds it"
     config = configs(*tls_files)[kind]
@@ -168,6 +171,29 @@ def test_cors_for_grpc_web_only_where_origins_are_named():
     for origin in ("app.example.com", "https://app.example.com/", "ftp://x"):
         with pytest.raises(ValueError, match="envoy_cors_origins"):
             EnvoyConfig(envoy_cors_origins=(origin,))
+
+
+def test_internal_tls_reaches_both_upstreams_with_the_services_certificate(tls_files):
+    ca, server = tls_files
+    config = configs(ca, server)["internal-tls"]
+    clusters = {c["name"]: c for c in parsed(config)["static_resources"]["clusters"]}
+    for name, alpn in (("http_edge", "http/1.1"), ("tokenizer", "h2")):
+        socket = clusters[name]["transport_socket"]
+        context = socket["typed_config"]
+        assert socket["name"] == "envoy.transport_sockets.tls"
+        assert context["@type"].endswith("UpstreamTlsContext") and context["sni"] == "stormserve.internal"
+        common = context["common_tls_context"]
+        assert common["alpn_protocols"] == [alpn]
+        assert common["tls_certificates"] == [{"certificate_chain": {"filename": str(server.cert)},
+                                               "private_key": {"filename": str(server.key)}}]
+        assert common["validation_context"] == {
+            "trusted_ca": {"filename": str(ca.cert)},
+            "match_typed_subject_alt_names": [{"san_type": "DNS", "matcher": {"exact": "stormserve.internal"}}]}
+    # Off by default; the listener's own TLS is a separate matter.
+    for kind in ("plain", "mtls"):
+        other_clusters = parsed(configs(ca, server)[kind])["static_resources"]["clusters"]
+        assert all("transport_socket" not in c for c in other_clusters)
+    assert "transport_socket" not in parsed(config)["static_resources"]["listeners"][0]["filter_chains"][0]
 
 
 def test_half_tls_is_refused():

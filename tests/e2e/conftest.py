@@ -22,19 +22,21 @@ def pytest_collection_modifyitems(items):
 
 
 @contextlib.contextmanager
-def running_chain(log_dir, num_workers: int = 1, env: dict[str, str] | None = None, envoy=None):
+def running_chain(log_dir, num_workers: int = 1, env: dict[str, str] | None = None, envoy=None,
+                  health_ports: dict[str, int] | None = None):
     """The chain on free ports, yielded as (chain, scheduler stub) once /health
     answers and every worker is ready; stopped afterwards.
 
     Workers get a 1 GiB KV pool unless `env` says otherwise: the automatic
     budget (several GiB, touched at start) is more than any test needs, and
-    several chains run at once. `envoy` (an EnvoyConfig) puts Envoy in front."""
+    several chains run at once. `envoy` (an EnvoyConfig) puts Envoy in front;
+    `health_ports` gives processes (by name) a plaintext health-only port."""
     env = {"STORMSERVE_KV_CACHE_MIB": "1024", **(env or {})}
     chain = Chain(edge_port=free_port(), tokenizer_port=free_port(), scheduler_port=free_port(),
                   worker_ports=[free_port() for _ in range(num_workers)], env=env, log_dir=log_dir,
-                  envoy=envoy)
+                  envoy=envoy, health_ports=dict(health_ports or {}))
     chain.start()
-    channel = grpc.insecure_channel(f"127.0.0.1:{chain.scheduler_port}")
+    channel = scheduler_channel(chain)
     try:
         chain.wait_ready(timeout_s=600)
         stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
@@ -48,6 +50,14 @@ def running_chain(log_dir, num_workers: int = 1, env: dict[str, str] | None = No
         chain.stop()
         channel.close()
         print(f"chain logs: {log_dir}")
+
+
+def scheduler_channel(chain) -> grpc.Channel:
+    """A channel to the chain's scheduler; over mutual TLS when the chain's env turns it on."""
+    address, tls = f"127.0.0.1:{chain.scheduler_port}", chain.internal_tls
+    if tls is None:
+        return grpc.insecure_channel(address)
+    return grpc.secure_channel(address, tls.channel_credentials(), options=tls.channel_options())
 
 
 def load_reader(stub):

@@ -304,9 +304,13 @@ class Cluster:
         volumes = {v["name"]: v for v in pod.spec.get("volumes", [])}
         for mount in pod.container.get("volumeMounts", []):
             volume = volumes[mount["name"]]
-            assert "emptyDir" in volume, f"{pod.name}: volume {mount['name']} is no emptyDir: not run here"
+            assert "emptyDir" in volume or "secret" in volume, \
+                f"{pod.name}: volume {mount['name']} is no emptyDir or Secret: not run here"
             pod.dirs[mount["mountPath"]] = scratch / mount["mountPath"].strip("/").replace("/", "-")
             pod.dirs[mount["mountPath"]].mkdir(exist_ok=True)
+            if "secret" in volume:  # the kubelet writes each of the Secret's keys as a file
+                for key, value in self.secret(volume["secret"]["secretName"]).items():
+                    (pod.dirs[mount["mountPath"]] / key).write_text(value)
 
         # Paths in the container, longest first: the emptyDir mounts, then the image's WORKDIR (this checkout).
         workdir = image_env()[1]

@@ -57,7 +57,7 @@ from tests.fake_kube import SERVICE_NAME_LABEL, FakeKube
 API_KEY = "rendered-pods-key"
 # The chart's defaults, and only these changes: two workers (one StatefulSet,
 # found through its Service's EndpointSlices) and one API key, so that the
-# edge reads STORMSERVE_API_KEYS through the Secret the chart renders.
+# edge and the tokenizer read the key file of the Secret the chart renders.
 VALUES = {"worker": {"replicas": 2}, "apiKeys": {"keys": [API_KEY]}}
 
 # ---- the test ---------------------------------------------------------------------

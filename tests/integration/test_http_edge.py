@@ -23,7 +23,7 @@ from stormserve.chat.v1 import chat_pb2, chat_pb2_grpc
 
 from services.common.errors import ServiceError
 from services.common.fingerprint import system_fingerprint
-from services.common.multiplex import multiplexed_method
+from services.common.multiplex import call_metadata, multiplexed_method
 from services.http_edge.app import create_app
 from services.http_edge.config import EdgeConfig
 
@@ -81,14 +81,18 @@ class FakeChatService(chat_pb2_grpc.ChatServiceServicer):
         self.requests: list[chat_pb2.ChatRequest] = []
         self.cancelled = asyncio.Event()
         self.num_list_models = 0
+        self.credentials: list[str | None] = []  # each call's `authorization`, as the tokenizer would read it
 
     async def ListModels(self, request, context) -> chat_pb2.ListModelsResponse:
         self.num_list_models += 1
+        self.credentials.append(dict(context.invocation_metadata()).get("authorization"))
         return chat_pb2.ListModelsResponse(models=[chat_pb2.Model(
-            id="m", root="/models/m", created=1700000000, owned_by="stormserve", max_model_len=2048)])
+            id="m", root="m", created=1700000000, owned_by="stormserve", max_model_len=2048,
+            system_fingerprint=system_fingerprint("m", "/models/m"))])
 
     async def Chat(self, request, context) -> AsyncIterator[chat_pb2.ChatResponse]:
         self.requests.append(request)
+        self.credentials.append(call_metadata().get("authorization"))
         try:
             async for chunk in self.script(request):
                 yield chat_pb2.ChatResponse(chunk=chunk)
@@ -430,7 +434,7 @@ def test_models_are_listed_and_cached() -> None:
             reply = await client.get("/v1/models")
             assert reply.json() == {"object": "list", "data": [{
                 "id": "m", "object": "model", "created": 1700000000, "owned_by": "stormserve",
-                "root": "/models/m", "parent": None, "max_model_len": 2048,
+                "root": "m", "parent": None, "max_model_len": 2048,
             }]}
             await client.post("/v1/chat/completions", json=BODY)
             assert (await client.get("/v1/models/m")).json()["id"] == "m"

@@ -178,6 +178,8 @@ def test_api_keys_guard_every_route_but_health(tmp_path) -> None:
                     assert (await send({"Authorization": f"Bearer {key}"})).status_code == 200
                 assert (await send({"Authorization": "bearer  k2 "})).status_code == 200
             assert len(chat.fake.requests) == 4  # rejected requests never reach the backend
+            # Each call carries its client's credential on to ChatService, which decides again.
+            assert set(chat.fake.credentials) == {"Bearer k1", "Bearer k2", "Bearer file-key", "bearer  k2 "}
             assert (await client.get("/health")).status_code in (200, 503)  # not 401
 
     run(scenario)
@@ -190,7 +192,7 @@ def test_no_keys_means_open_with_a_warning(caplog) -> None:
             assert reply.status_code == 200
             assert (await client.post("/v1/chat/completions", json=BODY)).status_code == 200
 
-    with caplog.at_level(logging.WARNING, logger="services.http_edge.auth"):
+    with caplog.at_level(logging.WARNING, logger="services.common.api_keys"):
         run(scenario)
     assert any("no API keys configured" in r.getMessage() for r in caplog.records)
 

@@ -164,6 +164,10 @@ lifecycle:
 - name: STORMSERVE_METRICS_PORT
   value: {{ .root.Values.metrics.port | quote }}
 {{- end }}
+{{- if and .root.Values.tls.internal.enabled (has .component (list "tokenizer" "scheduler" "worker")) }}
+- name: STORMSERVE_HEALTH_PORT
+  value: {{ .root.Values.tls.internal.healthPort | quote }}
+{{- end }}
 {{- with .root.Values.tracing.otlpEndpoint }}
 - name: OTEL_EXPORTER_OTLP_ENDPOINT
   value: {{ . | quote }}
@@ -223,11 +227,12 @@ lifecycle:
 {{/* Probes of a gRPC service: readiness on the standard health service with its full
 service name (NOT_SERVING until it and the services behind it are ready, and while it
 drains); liveness on the port alone, so that a pod waiting for the services behind it
-is not restarted. */}}
+is not restarted. With internal TLS the kubelet, which speaks plaintext gRPC only, asks
+the plaintext health-only port. Call with (dict "root" $ "port" <grpc port> "service" <name>). */}}
 {{- define "stormserve.grpcProbes" -}}
 readinessProbe:
   grpc:
-    port: {{ .port }}
+    port: {{ include "stormserve.grpcProbePort" . }}
     service: {{ .service }}
   periodSeconds: 5
   failureThreshold: 2
@@ -236,6 +241,79 @@ livenessProbe:
     port: grpc
   periodSeconds: 10
   failureThreshold: 6
+{{- end -}}
+
+{{/* The port a gRPC probe asks: the service's own, or with internal TLS its plaintext health-only port. */}}
+{{- define "stormserve.grpcProbePort" -}}
+{{- if .root.Values.tls.internal.enabled -}}
+{{- .root.Values.tls.internal.healthPort -}}
+{{- else -}}
+{{- .port -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Internal mutual TLS (tls.internal): the Secret holding tls.crt, tls.key and ca.crt
+(the operator's, or the one cert-manager fills from internal-tls.yaml's Certificate),
+where every container reads it, and what the gRPC services add. */}}
+{{- define "stormserve.internalTlsSecret" -}}
+{{- default (printf "%s-internal-tls" (include "stormserve.fullname" .)) .Values.tls.internal.secretName -}}
+{{- end -}}
+
+{{/* API keys: the key file, mounted from its Secret in the edge and the tokenizer
+(both check keys), so that an edited Secret reaches them without a restart. */}}
+{{- define "stormserve.apiKeysEnabled" -}}
+{{- if or .Values.apiKeys.keys .Values.apiKeys.existingSecret }}true{{ end }}
+{{- end -}}
+
+{{- define "stormserve.apiKeysEnv" -}}
+{{- if include "stormserve.apiKeysEnabled" . }}
+- name: STORMSERVE_API_KEY_FILE
+  value: /etc/stormserve/api-keys/{{ .Values.apiKeys.existingSecretKey }}
+{{- end }}
+{{- end -}}
+
+{{- define "stormserve.apiKeysMount" -}}
+{{- if include "stormserve.apiKeysEnabled" . }}
+- name: api-keys
+  mountPath: /etc/stormserve/api-keys
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{- define "stormserve.apiKeysVolume" -}}
+{{- if include "stormserve.apiKeysEnabled" . }}
+- name: api-keys
+  secret:
+    secretName: {{ default (printf "%s-api-keys" (include "stormserve.fullname" .)) .Values.apiKeys.existingSecret }}
+{{- end }}
+{{- end -}}
+
+{{- define "stormserve.internalTlsDir" -}}
+/etc/stormserve/internal-tls
+{{- end -}}
+
+{{- define "stormserve.internalTlsMount" -}}
+{{- if .Values.tls.internal.enabled }}
+- name: internal-tls
+  mountPath: {{ include "stormserve.internalTlsDir" . }}
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{- define "stormserve.internalTlsVolume" -}}
+{{- if .Values.tls.internal.enabled }}
+- name: internal-tls
+  secret:
+    secretName: {{ include "stormserve.internalTlsSecret" . }}
+{{- end }}
+{{- end -}}
+
+{{- define "stormserve.healthContainerPort" -}}
+{{- if .Values.tls.internal.enabled }}
+- name: health
+  containerPort: {{ .Values.tls.internal.healthPort }}
+  protocol: TCP
+{{- end }}
 {{- end -}}
 
 {{/* Static worker list: <sts>-<i>.<headless service>.<namespace>.svc:<port>, one per replica. */}}

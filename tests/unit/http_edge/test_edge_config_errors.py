@@ -98,6 +98,19 @@ def test_grpc_status_mapping(code, status, error_type, doc_code, message) -> Non
     }
 
 
+def test_the_tokenizers_key_refusals_read_as_the_edges_own() -> None:
+    missing = from_grpc(grpc.StatusCode.UNAUTHENTICATED, "Authorization not passed")
+    wrong = from_grpc(grpc.StatusCode.UNAUTHENTICATED, "Apikey error")
+    assert [(e.status, e.code, e.headers) for e in (missing, wrong)] == [
+        (401, 702, {"WWW-Authenticate": "Bearer"}), (401, 801, {"WWW-Authenticate": "Bearer"})]
+    limited = from_grpc(grpc.StatusCode.RESOURCE_EXHAUSTED, "API key a is over its limit", "RATE_LIMITED", 7)
+    assert (limited.status, limited.code, limited.error_type, limited.headers) == (
+        429, 429, "Too Many Requests", {"Retry-After": "7"})
+    assert limited.message == "API key a is over its limit"
+    # The server's own overload (a full queue) stays 503.
+    assert from_grpc(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full").status == 503
+
+
 def test_chat_error_defaults() -> None:
     error = from_chat_error(0, "", "")
     assert (error.status, error.code, error.error_type) == (500, 9999, "Incomplete Generation")

@@ -64,14 +64,17 @@ class ScriptedBackend(ChatBackend):
         self.script = script
         self.models_error = models_error
         self.calls: list[tuple[chat_pb2.ChatRequest, FakeCall]] = []
+        self.metadata: list[dict[str, str] | None] = []  # what each call carried to ChatService
 
-    async def list_models(self) -> list[chat_pb2.Model]:
+    async def list_models(self, metadata=None) -> list[chat_pb2.Model]:
+        self.metadata.append(metadata)
         if self.models_error is not None:
             raise self.models_error
-        return [chat_pb2.Model(id="m", root="/w", created=1, owned_by="stormserve", max_model_len=64)]
+        return [chat_pb2.Model(id="m", root="m", created=1, owned_by="stormserve", max_model_len=64)]
 
     def chat(self, request: chat_pb2.ChatRequest, timeout_s: float | None,  # type: ignore[override]
-             max_buffered_bytes: int | None = None) -> FakeCall:
+             max_buffered_bytes: int | None = None, metadata=None) -> FakeCall:
+        self.metadata.append(metadata)
         call = FakeCall(self.script)
         self.calls.append((request, call))
         return call
@@ -325,7 +328,8 @@ def test_openapi_describes_the_raw_body_routes() -> None:
     assert {"$ref": schema("ChatCompletionChunk")} in ok["text/event-stream"]["schema"]["oneOf"]
     assert post["responses"]["422"]["content"]["application/json"]["schema"] == {"$ref": schema("ErrorBody")}
     # Every status the edge answers a chat request with, those of its HTTP protocol included.
-    assert set(post["responses"]) == {"200", "400", "401", "408", "413", "415", "422", "424", "431", "500", "503"}
+    assert set(post["responses"]) == {"200", "400", "401", "408", "413", "415", "422", "424", "429", "431", "500",
+                                      "503"}
     for path in doc["paths"].values():
         assert {"400", "408", "431"} <= set(path["get" if "get" in path else "post"]["responses"])
     models = doc["paths"]["/v1/models"]["get"]["responses"]["200"]["content"]["application/json"]["schema"]

@@ -67,22 +67,26 @@ class KeyRefused(Exception):
         self.message = message
 
 
-def api_keys_setting():
-    """The `api_keys` field of a service's config. Not `setting(...)`: keys must
-    never reach a log line or a traceback, so the field is hidden from repr."""
-    return dataclasses.field(default=(), repr=False, metadata={
-        "help": "comma list of accepted `Authorization: Bearer` keys; none (and no api_key_file) means no check",
-        "alias": None})
-
-
-def api_key_file_setting():
-    return setting("", "file of accepted API keys, one per line with optional per-key name and limits "
-                       "(docs: security); read again when it changes; adds to api_keys")
-
-
 def check_api_keys(keys: Iterable[str]) -> None:
     require(all(k and not any(c.isspace() or c == "," for c in k) for k in keys),
             "api_keys must be non-empty and hold no whitespace or comma")
+
+
+@dataclass(frozen=True)
+class ApiKeySettings:
+    """The settings of the services that check keys (the edge, the tokenizer):
+    their configs inherit them, so both read the same names."""
+
+    # Not `setting(...)`: keys must never reach a log line or a traceback, so the
+    # field is hidden from repr.
+    api_keys: tuple[str, ...] = dataclasses.field(default=(), repr=False, metadata={
+        "help": "comma list of accepted `Authorization: Bearer` keys; none (and no api_key_file) means no check",
+        "alias": None})
+    api_key_file: str = setting("", "file of accepted API keys, one per line with optional per-key name and "
+                                    "limits (docs: security); read again when it changes; adds to api_keys")
+
+    def __post_init__(self) -> None:
+        check_api_keys(self.api_keys)
 
 
 def digest(key: bytes) -> bytes:

@@ -1,4 +1,4 @@
-"""Optional mutual TLS on the internal hops (docs/security.md, "TLS between the
+"""Optional mutual TLS on the internal hops (docs/operating/security.md, "TLS between the
 services"): edge -> tokenizer -> scheduler -> workers, and Envoy -> edge/tokenizer.
 
 Every service reads the same four settings (same names everywhere, so one
@@ -15,7 +15,7 @@ it on, none leaves every hop plaintext:
   certificate can list, so no client checks the address it dialled.
 
 The files are read when a server starts and when a channel is made: a renewed
-certificate reaches a process when it restarts (docs/security.md)."""
+certificate reaches a process when it restarts (docs/operating/security.md)."""
 from __future__ import annotations
 
 import re
@@ -31,24 +31,6 @@ if TYPE_CHECKING:  # configs, Envoy's launcher and the supervisor import this mo
 
 DEFAULT_SERVER_NAME = "stormserve.internal"
 _DNS_NAME = re.compile(r"^(?=.{1,253}$)([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)(\.[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)*$")
-
-
-def tls_cert_file_setting() -> Any:
-    return setting("", "internal mutual TLS: this service's certificate chain (PEM), served to its callers and "
-                       "presented to the services it calls; with the key and CA files turns internal TLS on")
-
-
-def tls_key_file_setting() -> Any:
-    return setting("", "internal mutual TLS: the private key (PEM) of internal_tls_cert_file")
-
-
-def tls_ca_file_setting() -> Any:
-    return setting("", "internal mutual TLS: CA bundle (PEM); a peer whose certificate it did not sign is refused")
-
-
-def tls_server_name_setting() -> Any:
-    return setting(DEFAULT_SERVER_NAME, "internal mutual TLS: the DNS name every client checks in the "
-                                        "certificates of the services it calls (their DNS SAN)")
 
 
 def health_port_setting() -> Any:
@@ -81,12 +63,18 @@ def _read(what: str, path: str) -> bytes:
 
 @dataclass(frozen=True)
 class InternalTlsSettings:
-    """The four settings alone: what `make run`'s supervisor reads to reach the edge."""
+    """The four settings: every service's config inherits them (one name each
+    everywhere), and `make run`'s supervisor reads them alone to reach the edge."""
 
-    internal_tls_cert_file: str = tls_cert_file_setting()
-    internal_tls_key_file: str = tls_key_file_setting()
-    internal_tls_ca_file: str = tls_ca_file_setting()
-    internal_tls_server_name: str = tls_server_name_setting()
+    internal_tls_cert_file: str = setting(
+        "", "internal mutual TLS: this service's certificate chain (PEM), served to its callers and presented to "
+            "the services it calls; with the key and CA files turns internal TLS on")
+    internal_tls_key_file: str = setting("", "internal mutual TLS: the private key (PEM) of internal_tls_cert_file")
+    internal_tls_ca_file: str = setting(
+        "", "internal mutual TLS: CA bundle (PEM); a peer whose certificate it did not sign is refused")
+    internal_tls_server_name: str = setting(
+        DEFAULT_SERVER_NAME, "internal mutual TLS: the DNS name every client checks in the certificates of the "
+                             "services it calls (their DNS SAN)")
 
     def __post_init__(self) -> None:
         check_internal_tls(self)

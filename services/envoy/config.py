@@ -11,8 +11,7 @@ from pathlib import Path
 
 from services.common.config import require, setting
 from services.common.drain import drain_timeout_setting
-from services.common.tls import (check_internal_tls, tls_ca_file_setting, tls_cert_file_setting,
-                                 tls_key_file_setting, tls_server_name_setting)
+from services.common.tls import InternalTlsSettings, check_internal_tls
 
 ROOT = Path(__file__).resolve().parents[2]
 DESCRIPTOR = ROOT / "gen" / "stormserve.pb"
@@ -26,7 +25,7 @@ def _address(name: str, value: str) -> tuple[str, int]:
 
 
 @dataclass(frozen=True)
-class EnvoyConfig:
+class EnvoyConfig(InternalTlsSettings):
     """Envoy in front of the HTTP edge and the ChatService (deploy/envoy)."""
 
     envoy_host: str = setting("127.0.0.1", "address Envoy listens on")
@@ -63,10 +62,6 @@ class EnvoyConfig:
         "none means no CORS")
     # Internal mutual TLS (services/common/tls.py), the services' settings: with them Envoy
     # reaches the edge (HTTPS) and the tokenizer (gRPC) over TLS, presenting this certificate.
-    internal_tls_cert_file: str = tls_cert_file_setting()
-    internal_tls_key_file: str = tls_key_file_setting()
-    internal_tls_ca_file: str = tls_ca_file_setting()
-    internal_tls_server_name: str = tls_server_name_setting()
 
     def __post_init__(self) -> None:
         _address("edge_address", self.edge_address)

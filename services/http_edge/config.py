@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.common.api_keys import api_key_file_setting, api_keys_setting, check_api_keys
+from services.common.api_keys import ApiKeySettings, check_api_keys
 from services.common.config import require, setting
 from services.common.drain import check_drain_timeout, drain_timeout_setting
-from services.common.tls import (check_internal_tls, tls_ca_file_setting, tls_cert_file_setting,
-                                 tls_key_file_setting, tls_server_name_setting)
+from services.common.tls import InternalTlsSettings, check_internal_tls
 
 MAX_E2E_TIMEOUT_S = 65535  # MindIE's e2eTimeout range is [1, 65535] s
 MAX_HEADER_KIB = 1024  # a head above 1 MiB is no API request; also bounds what a client makes us buffer
@@ -16,7 +15,7 @@ MAX_HEADERS = 10_000
 
 
 @dataclass(frozen=True)
-class EdgeConfig:
+class EdgeConfig(ApiKeySettings, InternalTlsSettings):
     """HTTP edge: REST/SSE in front of ChatService."""
 
     host: str = setting("127.0.0.1", "address the HTTP server binds")
@@ -58,13 +57,6 @@ class EdgeConfig:
         30.0, f"seconds a chat request body may take to arrive, (0, {MAX_E2E_TIMEOUT_S}]; "
         "past it 408 and the connection is closed"
     )
-    api_keys: tuple[str, ...] = api_keys_setting()
-    api_key_file: str = api_key_file_setting()
-    # Internal mutual TLS (services/common/tls.py): the same settings in every service.
-    internal_tls_cert_file: str = tls_cert_file_setting()
-    internal_tls_key_file: str = tls_key_file_setting()
-    internal_tls_ca_file: str = tls_ca_file_setting()
-    internal_tls_server_name: str = tls_server_name_setting()
 
     def __post_init__(self) -> None:
         require(bool(self.host), "host must not be empty")

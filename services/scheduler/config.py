@@ -5,14 +5,13 @@ from dataclasses import dataclass
 
 from services.common.config import require, setting
 from services.common.drain import check_drain_timeout, drain_timeout_setting
-from services.common.tls import (check_internal_tls, health_port_setting, tls_ca_file_setting,
-                                 tls_cert_file_setting, tls_key_file_setting, tls_server_name_setting)
+from services.common.tls import InternalTlsSettings, check_internal_tls, health_port_setting
 from services.common.model_files import DEFAULT_MODEL_NAME
 from services.scheduler.speculation import METHODS, SpeculationConfig
 
 
 @dataclass(frozen=True)
-class SchedulerConfig:
+class SchedulerConfig(InternalTlsSettings):
     """Queue, continuous batching and worker routing."""
 
     host: str = setting("127.0.0.1", "address to listen on")
@@ -29,7 +28,7 @@ class SchedulerConfig:
         "", "name or number of the workers' gRPC port in the EndpointSlices (default: each slice's first port)")
     max_batch_size: int = setting(64, "most sequences in one engine step", alias="maxBatchSize")
     max_prefill_tokens: int = setting(
-        1024, "most prompt tokens prefilled in one step (the reference defaults to 8192; see the README)",
+        1024, "most prompt tokens prefilled in one step (the reference defaults to 8192; see docs: configuration)",
         alias="maxPrefillTokens",
     )
     max_seq_len: int = setting(2560, "prompt + output cap in tokens", alias="maxSeqLen")
@@ -45,11 +44,6 @@ class SchedulerConfig:
     speculative_max_draft_tokens: int = setting(8, "most tokens drafted for a sequence in one step")
     speculative_draft_token_budget: int = setting(
         24, "drafted tokens one step may carry, less one per running sequence (0 drafts from that many on)")
-    # Internal mutual TLS (services/common/tls.py): the same settings in every service.
-    internal_tls_cert_file: str = tls_cert_file_setting()
-    internal_tls_key_file: str = tls_key_file_setting()
-    internal_tls_ca_file: str = tls_ca_file_setting()
-    internal_tls_server_name: str = tls_server_name_setting()
     health_port: int = health_port_setting()
 
     def __post_init__(self) -> None:

@@ -5,17 +5,16 @@ import ipaddress
 import os
 from dataclasses import dataclass
 
-from services.common.api_keys import api_key_file_setting, api_keys_setting, check_api_keys
+from services.common.api_keys import ApiKeySettings, check_api_keys
 from services.common.config import require, setting
 from services.common.drain import check_drain_timeout, drain_timeout_setting
-from services.common.tls import (check_internal_tls, health_port_setting, tls_ca_file_setting,
-                                 tls_cert_file_setting, tls_key_file_setting, tls_server_name_setting)
+from services.common.tls import InternalTlsSettings, check_internal_tls, health_port_setting
 from services.common.model_files import DEFAULT_MODEL_NAME
 from services.tokenizer.parsers import PARSERS, REASONING_PARSERS
 
 
 @dataclass(frozen=True)
-class TokenizerConfig:
+class TokenizerConfig(ApiKeySettings, InternalTlsSettings):
     """Chat template, tokenization, detokenization and the public ChatService."""
 
     host: str = setting("127.0.0.1", "address to listen on")
@@ -75,14 +74,6 @@ class TokenizerConfig:
     max_media_frames: int = setting(1000, "most frames of an animated image or a video, [1, 100000]")
     max_media_seconds: float = setting(600.0, "longest video or audio in seconds, (0, 86400]")
     media_cache_mib: int = setting(256, "MiB of fetched media kept by content hash, [0, 65536]")
-    # API keys and per-key limits (services/common/api_keys.py): the edge's settings of the same names.
-    api_keys: tuple[str, ...] = api_keys_setting()
-    api_key_file: str = api_key_file_setting()
-    # Internal mutual TLS (services/common/tls.py): the same settings in every service.
-    internal_tls_cert_file: str = tls_cert_file_setting()
-    internal_tls_key_file: str = tls_key_file_setting()
-    internal_tls_ca_file: str = tls_ca_file_setting()
-    internal_tls_server_name: str = tls_server_name_setting()
     health_port: int = health_port_setting()
 
     def __post_init__(self) -> None:

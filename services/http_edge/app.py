@@ -6,6 +6,7 @@
     GET  /health                200 (empty body) when ChatService is SERVING, else 503
     GET  /openapi.json          the OpenAPI document (openapi.py)
     GET  /docs                  Swagger UI on /openapi.json
+    GET  /docs/assets/<v>/...   Swagger UI's script, CSS and icon (openapi.py)
     GET  /metrics               Prometheus text: the edge's own series (metrics.py)
 
 With API keys configured every route but /health and /metrics needs
@@ -115,5 +116,11 @@ def create_app(config: EdgeConfig, backend: ChatBackend | None = None) -> FastAP
     @app.get("/docs", dependencies=keyed, include_in_schema=False)
     async def docs() -> Response:
         return openapi.swagger_page(app)
+
+    @app.get(openapi.ASSETS_URL + "/{name}", dependencies=keyed, include_in_schema=False)
+    async def docs_asset(name: str) -> Response:
+        if (found := openapi.asset(name)) is None:
+            raise EdgeError(404, "NotFoundError", f"No asset {name}.")
+        return found
 
     return app

@@ -8,12 +8,13 @@ protocol.ChatCompletionRequest in, schemas.py out.
 """
 from __future__ import annotations
 
+from importlib import metadata, resources
 from typing import Any
 
 from fastapi import FastAPI
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import HTMLResponse
+from fastapi.responses import FileResponse, HTMLResponse
 from pydantic.json_schema import models_json_schema
 
 from services.common.fingerprint import stormserve_version
@@ -94,5 +95,35 @@ def openapi_document(app: FastAPI, keyed: bool) -> dict[str, Any]:
     return app.openapi_schema
 
 
+# /docs works on an air-gapped cluster: the edge serves Swagger UI's files itself
+# instead of FastAPI's default CDN. They come from the pinned fastapi-offline wheel
+# (Swagger UI 5.x, the line FastAPI's page is written for; only its files are used,
+# not its app factory, whose static mount would skip the key check). Not
+# swagger-ui-bundle 1.1.0: it carries Swagger UI 4.15.5, which cannot render an
+# OpenAPI 3.1 document such as ours.
+# The package's version is in the path, so a browser may keep the files for a year.
+ASSETS_URL = f"/docs/assets/{metadata.version('fastapi-offline')}"
+ASSETS_CACHE_CONTROL = "public, max-age=31536000, immutable"
+ASSET_TYPES = {
+    "swagger-ui-bundle.js": "text/javascript",
+    "swagger-ui.css": "text/css",
+    "favicon.png": "image/png",
+}
+
+
+def asset(name: str) -> FileResponse | None:
+    """One of Swagger UI's files, or None for any other name."""
+    if name not in ASSET_TYPES:
+        return None
+    path = resources.files("fastapi_offline") / "static" / name
+    return FileResponse(str(path), media_type=ASSET_TYPES[name], headers={"Cache-Control": ASSETS_CACHE_CONTROL})
+
+
 def swagger_page(app: FastAPI) -> HTMLResponse:
-    return get_swagger_ui_html(openapi_url=OPENAPI_URL, title=f"{app.title} - API")
+    return get_swagger_ui_html(
+        openapi_url=OPENAPI_URL,
+        title=f"{app.title} - API",
+        swagger_js_url=f"{ASSETS_URL}/swagger-ui-bundle.js",
+        swagger_css_url=f"{ASSETS_URL}/swagger-ui.css",
+        swagger_favicon_url=f"{ASSETS_URL}/favicon.png",
+    )

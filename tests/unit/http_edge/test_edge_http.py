@@ -12,6 +12,7 @@ import httpx
 import pytest
 from stormserve.chat.v1 import chat_pb2
 
+from services.http_edge import openapi
 from services.http_edge.app import create_app
 from services.http_edge.backend import ChatBackend
 from services.http_edge.config import EdgeConfig
@@ -357,3 +358,35 @@ def test_docs_page_and_keyed_openapi() -> None:
     assert doc["components"]["securitySchemes"] == {"apiKey": {"type": "http", "scheme": "bearer"}}
     assert doc["security"] == [{"apiKey": []}]
     assert doc["paths"]["/health"]["get"]["security"] == []  # probes need no key
+
+
+def test_docs_assets_are_served_by_the_edge_with_the_docs_key_rule() -> None:
+    app, _ = make_app([], api_keys=("k1",))
+    keyed = {"Authorization": "Bearer k1"}
+    page = request(app, "GET", "/docs", headers=keyed).text
+    assert "://" not in page  # no CDN: every URL on the page is the edge's
+    assets = openapi.ASSETS_URL
+    for name, content_type, first_bytes in [("swagger-ui-bundle.js", "text/javascript; charset=utf-8", b"/*!"),
+                                            ("swagger-ui.css", "text/css; charset=utf-8", b".swagger-ui"),
+                                            ("favicon.png", "image/png", b"\x89PNG")]:
+        assert f"{assets}/{name}" in page
+        assert request(app, "GET", f"{assets}/{name}").status_code == 401
+        assert request(app, "GET", f"{assets}/{name}", headers={"Authorization": "Bearer k2"}).status_code == 401
+        reply = request(app, "GET", f"{assets}/{name}", headers=keyed)
+        assert reply.status_code == 200 and reply.content.startswith(first_bytes)
+        assert reply.headers["content-type"] == content_type
+        assert reply.headers["cache-control"] == "public, max-age=31536000, immutable"
+    # Only those three; nothing else of the package's, nor of the disk, and nothing unversioned.
+    for path in (f"{assets}/redoc.standalone.js", f"{assets}/../core.py", f"{assets}/%2e%2e%2fcore.py",
+                 "/docs/assets/swagger-ui.css", f"{assets}/"):
+        assert request(app, "GET", path, headers=keyed).status_code == 404, path
+
+
+def test_docs_assets_shadow_no_api_route() -> None:
+    app, _ = make_app([])
+    paths = [route.path for route in app.routes]
+    assert [p for p in paths if p.startswith("/docs/")] == [f"{openapi.ASSETS_URL}/{{name}}"]
+    assert request(app, "GET", "/docs").status_code == 200
+    assert request(app, "GET", "/v1/models").status_code != 404
+    assert set(request(app, "GET", "/openapi.json").json()["paths"]) == {
+        "/v1/chat/completions", "/v1/models", "/v1/models/{model_id}", "/health"}

@@ -8,7 +8,7 @@ PROTOS := $(shell find proto -name '*.proto')
 THIRD_PARTY := build/third_party
 export PYTHONPATH := $(CURDIR)/gen:$(CURDIR)
 
-.PHONY: run test lint protos descriptors setup chromium clean
+.PHONY: run test lint protos descriptors setup chromium docs docs-serve docs-reference clean
 
 run: setup
 	$(PY) -m services.common.supervisor
@@ -73,5 +73,19 @@ gen/stormserve.pb: gen/.stamp
 lint: setup
 	$(BUF) lint
 
+# The settings and Helm values references (docs/operating) are made from the
+# configs and the chart, so they cannot drift; a test fails when the committed
+# pages differ from what this writes.
+docs-reference: $(VENV)/.installed
+	$(PY) -m tools.docs_reference
+
+# The documentation site (mkdocs.yml): built strictly, so a broken link or anchor
+# fails here as it does in `make test`; docs-serve rebuilds it as pages change.
+docs: docs-reference
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+
+docs-serve: docs-reference
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve
+
 clean:
-	rm -rf gen build .pytest_cache
+	rm -rf gen build site .pytest_cache

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one-shot check of the CUDA path on a GPU machine (docs/testing.md, "On a
+# The one-shot check of the CUDA path on a GPU machine (docs/design/testing.md, "On a
 # CUDA GPU"): run from the repository root there, with the wheels of .whl
 # carried along (gen/ is not needed: nothing here imports the gRPC stubs).
 #

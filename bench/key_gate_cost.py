@@ -7,7 +7,7 @@ interleaved rounds; median and p90 of the µs per call.
 
 This is the cost of limits counted in memory where every call lands; a shared
 limiter (Envoy's ratelimit service and Redis) adds a network round trip per
-call on top (docs/security.md)."""
+call on top (docs/operating/security.md)."""
 from __future__ import annotations
 
 import argparse

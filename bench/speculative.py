@@ -9,7 +9,7 @@ and both chains get the same prompts in a round (each round its own seed):
 Each `workload:streams:requests` prints a table with the medians of output
 tokens/s, latencies, the draft acceptance rate and generated tokens per step,
 and each endpoint's tokens/s over the `off` chain's, round by round.
-`--peer name=url` adds another server to every round (bench/README.md has
+`--peer name=url` adds another server to every round (docs: performance has
 llama-server with and without its lookup decoding).
 """
 from __future__ import annotations

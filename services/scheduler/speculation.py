@@ -52,7 +52,7 @@ METHODS = ("off", "prompt_lookup", "suffix")
 # Tokens accepted per wait (EMA) below which a sequence stops drafting for a while.
 # 0.25 drafted more at 1 stream (random prompts 1.27x -> 1.49-1.58x the tokens/s
 # without speculation) but cost 6-11 % at 8 streams, where each wait splits the
-# batch (bench/README.md).
+# batch (bench.speculative, paired rounds, 2026-11-26).
 PAUSE_BELOW = 0.5
 # Alone, a fruitless wait costs the round trip and a rejected row (about 2 ms of
 # a 12 ms step on the bundled model) and a kept token saves a step: drafting pays

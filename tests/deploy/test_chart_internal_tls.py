@@ -1,4 +1,4 @@
-"""The chart's internal mutual TLS (tls.internal, docs/security.md), rendered by
+"""The chart's internal mutual TLS (tls.internal, docs/operating/security.md), rendered by
 the real Helm engine: off by default; on, every component (edge, tokenizer,
 scheduler, worker, Envoy) mounts the one Secret and reads its files through the
 shared settings, the gRPC probes ask the plaintext health-only port, the edge's

@@ -22,7 +22,7 @@ QUESTIONS = [
 @pytest.fixture(scope="module")
 def two_workers(tmp_path_factory):
     # float32: the tests compare texts across prefix-cache hits and batch
-    # compositions, which move bfloat16 logits (README, `seed`).
+    # compositions, which move bfloat16 logits (docs: fields and replies, reproducibility).
     with running_chain(tmp_path_factory.mktemp("two-workers"), num_workers=2,
                        env={"STORMSERVE_DTYPE": "float32"}) as (chain, stub):
         yield chain, load_reader(stub)

@@ -388,14 +388,14 @@ def test_grpc_web_health_and_reflection_through_envoy(envoy_url):
 
 
 def test_transcoded_body_with_an_unknown_field(envoy_url):
-    """Envoy has no option to reject unknown JSON body fields: they are ignored (README)."""
+    """Envoy has no option to reject unknown JSON body fields: they are ignored (docs: the gRPC API)."""
     request = {"model": MODEL, "messages": QUESTION, "max_tokens": 2, "no_such_field": 1}
     response = httpx.post(envoy_url + "/v1/grpc/chat", json=request, timeout=60)
     assert response.status_code == 200, response.text
 
 
 def test_a_transcoded_stream_that_fails_midway_is_a_200_that_breaks_off(envoy_url):
-    """What the README warns about (envoyproxy/envoy#5011): once the first chunk is out,
+    """What the docs warn about (envoyproxy/envoy#5011): once the first chunk is out,
     a gRPC status (here the caller's own deadline) cannot change the HTTP status: no
     error event, no final chunk. Over HTTP/1.1 Envoy usually closes the connection
     without the last chunk of the body (a truncated transfer), but the body may also

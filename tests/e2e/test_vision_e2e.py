@@ -5,7 +5,7 @@ on loopback (the chain allows 127.0.0.2/32 for it, and no other loopback
 address), two images in one message, the prefix cache keyed by image content,
 choices forked from a prompt with an image, and refused parts as the
 documented 4xx with the chain still serving: a video, the SSRF and abuse
-cases of docs/media.md (addresses, redirects, names, symlinks, part count,
+cases of docs/operating/media-fetching.md (addresses, redirects, names, symlinks, part count,
 decompression bombs, sizes, a silent server, bad data URIs), and any media
 part sent to the bundled text-only model.
 
@@ -196,7 +196,7 @@ def test_a_video_part_gets_the_documented_422(vlm):
 
 
 def test_ssrf_and_abusive_parts_are_refused_through_the_chain(vlm, tmp_path):
-    """docs/media.md's cases, each as a client sees it through the edge: a 4xx
+    """docs/operating/media-fetching.md's cases, each as a client sees it through the edge: a 4xx
     with the documented body naming the part and the reason, never a 5xx; the
     chain serves on."""
     _, _, client, _, media_dir, http_base = vlm

@@ -2,7 +2,7 @@
 paged pool, and the model runner on device=cuda, each against the paths the
 CPU tests already trust. Every test here skips without CUDA (so `make test`
 on a machine without a GPU counts them as skipped); bench/gpu_check.sh runs
-them on a GPU machine and docs/testing.md says how.
+them on a GPU machine and docs/design/testing.md says how.
 
 - Attention: one step that mixes decodes (at and past a page boundary), a
   decode with five query rows (a verified draft), a fresh prompt and prefill

@@ -17,8 +17,8 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import FileResponse, HTMLResponse
 from pydantic.json_schema import models_json_schema
 
-from services.common.fingerprint import stormserve_version
 from services.common.chat_protocol import ChatCompletionRequest
+from services.common.fingerprint import stormserve_version
 from services.http_edge.schemas import RESPONSE_MODELS
 
 OPENAPI_URL = "/openapi.json"

@@ -61,20 +61,84 @@ class Rotary:
         return (angles.cos() * self.scaling).to(dtype), (angles.sin() * self.scaling).to(dtype)
 
 
+class StepRope:
+    """cos and sin of one step's positions, computed once per rotary table and
+    shared by every layer that uses it."""
+
+    def __init__(self, positions: torch.Tensor, dtype: torch.dtype):
+        self.positions, self.dtype = positions, dtype
+        self._tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, rotary: Rotary) -> tuple[torch.Tensor, torch.Tensor]:
+        table = self._tables.get(id(rotary))
+        if table is None:
+            table = self._tables[id(rotary)] = rotary(self.positions, self.dtype)
+        return table
+
+
+class GqaAttention:
+    """The Llama family's attention: Q/K/V in one matmul (biases where the
+    checkpoint has them), Qwen3's per-head q/k norms, rotary, paged attention.
+    Called on the normed hidden states; o_proj is the caller's (the last layer
+    applies it to the rows that get logits only)."""
+
+    def __init__(self, weights: Mapping[str, torch.Tensor], prefix: str, index: int, config, backend: Platform,
+                 num_heads: int, num_kv_heads: int, head_dim: int, rotary: Rotary, row_parallel):
+        self.index, self.num_heads, self.num_kv_heads, self.head_dim = index, num_heads, num_kv_heads, head_dim
+        self.eps, self.scaling, self.rotary = config.rms_norm_eps, head_dim ** -0.5, rotary
+        projections = [prefix + name for name in ("q_proj", "k_proj", "v_proj")]
+        bias = None
+        if projections[0] + ".bias" in weights:
+            bias = torch.cat([weights[p + ".bias"] for p in projections])
+        self.qkv = backend.linear(torch.cat([weights[p + ".weight"] for p in projections]), bias)
+        # Qwen3: RMSNorm weights per head, [heads + kv_heads, head_dim].
+        self.qk_norm = None
+        if prefix + "q_norm.weight" in weights:
+            self.qk_norm = torch.cat([weights[prefix + "q_norm.weight"].expand(num_heads, -1),
+                                      weights[prefix + "k_norm.weight"].expand(num_kv_heads, -1)])
+        self.o_proj = row_parallel(backend.linear(weights[prefix + "o_proj.weight"], weights.get(prefix + "o_proj.bias")))
+        self.sliding_window = None
+        layer_types = getattr(config, "layer_types", None)
+        if config.model_type == "mistral" or (layer_types and layer_types[index] == "sliding_attention"):
+            self.sliding_window = getattr(config, "sliding_window", None)
+
+    def __call__(self, h: torch.Tensor, step: PagedStep, ops, rope: StepRope) -> torch.Tensor:
+        """h [T, hidden] -> the heads' output [T, heads * head_dim], before o_proj."""
+        num_q, num_kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        qkv = self.qkv(h)
+        # Q and K heads side by side: one norm and one rotation for both.
+        qk = qkv[:, : num_q + num_kv].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.qk_norm is not None:
+            qk = F.rms_norm(qk, qk.shape[-1:], eps=self.eps) * self.qk_norm
+        cos, sin = rope(self.rotary)
+        q, k = ops.rotate(qk, cos, sin).split((self.num_heads, self.num_kv_heads), dim=1)
+        v = qkv[:, num_q + num_kv :].view(-1, self.num_kv_heads, self.head_dim)
+        o = paged_attention(q, k, v, self.index, step, self.scaling, self.sliding_window)
+        return o.view(-1, num_q)
+
+
+class DenseMlp:
+    """gate and up in one matmul, SiLU-times-up, down with the residual fused in."""
+
+    def __init__(self, weights: Mapping[str, torch.Tensor], prefix: str, backend: Platform, row_parallel):
+        self.gate_up = backend.linear(torch.cat([weights[prefix + "gate_proj.weight"],
+                                                 weights[prefix + "up_proj.weight"]]), None)
+        self.down = row_parallel(backend.linear(weights[prefix + "down_proj.weight"], None))
+
+    def __call__(self, h: torch.Tensor, residual: torch.Tensor, ops) -> torch.Tensor:
+        return self.down(ops.silu_mul(self.gate_up(h)), residual=residual)
+
+
 @dataclass(frozen=True)
 class _Layer:
     input_norm: torch.Tensor
-    qkv: Linear
-    qk_norm: torch.Tensor | None  # Qwen3: RMSNorm weights per head, [heads + kv_heads, head_dim]
-    o_proj: Linear
+    attention: GqaAttention
     post_attention_norm: torch.Tensor
-    gate_up: Linear
-    down: Linear
-    sliding_window: int | None
+    mlp: DenseMlp
 
 
 class LeanDecoder:
-    """Logits for a packed step, from the weights of a Llama-family checkpoint."""
+    """Logits for a packed step, from the weights of a checkpoint of a supported family."""
 
     @staticmethod
     def supports(config) -> bool:
@@ -90,79 +154,49 @@ class LeanDecoder:
         """`weights`: the checkpoint's tensors by name, in the dtype and on the
         device to run (a Checkpoint, or a loaded model's state_dict).
         `tensor_parallel`: this rank's group; it runs its shard (parallel.py)."""
-        self.num_heads: int = config.num_attention_heads
-        self.num_kv_heads: int = config.num_key_value_heads or self.num_heads
+        num_heads: int = config.num_attention_heads
+        num_kv_heads: int = config.num_key_value_heads or num_heads
         self.eps: float = config.rms_norm_eps
-        self.head_dim: int = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
-        self.scaling: float = self.head_dim ** -0.5
+        head_dim: int = getattr(config, "head_dim", None) or config.hidden_size // num_heads
         self.vocab_size: int = config.vocab_size
         self.tp = tensor_parallel
         intermediate_size = config.intermediate_size
         if tensor_parallel is not None:
             weights = tensor_parallel.shard_weights(weights, config)
-            self.num_heads, self.num_kv_heads = weights.heads.num_heads, weights.heads.num_kv_heads
+            num_heads, num_kv_heads = weights.heads.num_heads, weights.heads.num_kv_heads
             intermediate_size = weights.mlp_rows[1] - weights.mlp_rows[0]
+        row_parallel = (lambda linear: linear) if tensor_parallel is None else tensor_parallel.row_parallel
         self.embed = weights["model.embed_tokens.weight"]
         self.final_norm = weights["model.norm.weight"]
         lm_head = weights.get("lm_head.weight")
         self.lm_head = backend.linear(self.embed if lm_head is None else lm_head, None)
-        self.rotary = Rotary(config, self.head_dim)
-        self.layers = [self._layer(weights, f"model.layers.{i}.", i, config, backend)
-                       for i in range(config.num_hidden_layers)]
-        self.ops = backend.layer_ops(self.embed.dtype, config.hidden_size, intermediate_size, self.head_dim)
-
-    def _layer(self, weights: Mapping[str, torch.Tensor], prefix: str, index: int, config,
-               backend: Platform) -> _Layer:
-        attn, mlp = prefix + "self_attn.", prefix + "mlp."
-        projections = [attn + name for name in ("q_proj", "k_proj", "v_proj")]
-        qkv_bias = None
-        if projections[0] + ".bias" in weights:
-            qkv_bias = torch.cat([weights[p + ".bias"] for p in projections])
-        qk_norm = None
-        if attn + "q_norm.weight" in weights:
-            qk_norm = torch.cat([weights[attn + "q_norm.weight"].expand(self.num_heads, -1),
-                                 weights[attn + "k_norm.weight"].expand(self.num_kv_heads, -1)])
-        row_parallel = (lambda linear: linear) if self.tp is None else self.tp.row_parallel
-        window = None
-        layer_types = getattr(config, "layer_types", None)
-        if config.model_type == "mistral" or (layer_types and layer_types[index] == "sliding_attention"):
-            window = getattr(config, "sliding_window", None)
-        return _Layer(
-            input_norm=weights[prefix + "input_layernorm.weight"],
-            qkv=backend.linear(torch.cat([weights[p + ".weight"] for p in projections]), qkv_bias),
-            qk_norm=qk_norm,
-            o_proj=row_parallel(backend.linear(weights[attn + "o_proj.weight"], weights.get(attn + "o_proj.bias"))),
-            post_attention_norm=weights[prefix + "post_attention_layernorm.weight"],
-            gate_up=backend.linear(torch.cat([weights[mlp + "gate_proj.weight"], weights[mlp + "up_proj.weight"]]),
-                                   None),
-            down=row_parallel(backend.linear(weights[mlp + "down_proj.weight"], None)),
-            sliding_window=window,
-        )
+        rotary = Rotary(config, head_dim)
+        self.layers = [
+            _Layer(
+                input_norm=weights[f"model.layers.{i}.input_layernorm.weight"],
+                attention=GqaAttention(weights, f"model.layers.{i}.self_attn.", i, config, backend, num_heads,
+                                       num_kv_heads, head_dim, rotary, row_parallel),
+                post_attention_norm=weights[f"model.layers.{i}.post_attention_layernorm.weight"],
+                mlp=DenseMlp(weights, f"model.layers.{i}.mlp.", backend, row_parallel),
+            )
+            for i in range(config.num_hidden_layers)
+        ]
+        self.ops = backend.layer_ops(self.embed.dtype, config.hidden_size, intermediate_size, head_dim)
 
     def __call__(self, input_ids: torch.Tensor, step: PagedStep, logit_rows: torch.Tensor) -> torch.Tensor:
         """input_ids [T] packed as `step` lays them out; logits [len(logit_rows), vocab]."""
         x = (self.embed[input_ids] if self.tp is None  # [T, hidden]
              else self.tp.embed(self.embed.__getitem__, self.embed.shape[0], input_ids))
-        cos, sin = self.rotary(step.positions, x.dtype)  # [T, head_dim]
+        rope = StepRope(step.positions, x.dtype)
         ops = self.ops
-        num_q = self.num_heads * self.head_dim
-        num_kv = self.num_kv_heads * self.head_dim
         last_layer = len(self.layers) - 1
         for index, layer in enumerate(self.layers):
-            qkv = layer.qkv(ops.rms_norm(x, layer.input_norm, self.eps))
-            # Q and K heads side by side: one norm and one rotation for both.
-            qk = qkv[:, : num_q + num_kv].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
-            if layer.qk_norm is not None:
-                qk = F.rms_norm(qk, qk.shape[-1:], eps=self.eps) * layer.qk_norm
-            q, k = ops.rotate(qk, cos, sin).split((self.num_heads, self.num_kv_heads), dim=1)
-            v = qkv[:, num_q + num_kv :].view(-1, self.num_kv_heads, self.head_dim)
-            o = paged_attention(q, k, v, index, step, self.scaling, layer.sliding_window)
+            o = layer.attention(ops.rms_norm(x, layer.input_norm, self.eps), step, ops, rope)
             if index == last_layer:
                 # Its K/V are in the cache now, and only the rows that get logits
                 # read the rest: a prefill chunk skips the last o_proj and MLP.
                 o, x = o.index_select(0, logit_rows), x.index_select(0, logit_rows)
-            x = layer.o_proj(o.view(-1, num_q), residual=x)
-            h = ops.rms_norm(x, layer.post_attention_norm, self.eps)
-            x = layer.down(ops.silu_mul(layer.gate_up(h)), residual=x)
+            x = layer.attention.o_proj(o, residual=x)
+            x = layer.mlp(ops.rms_norm(x, layer.post_attention_norm, self.eps), x, ops)
         logits = self.lm_head(ops.rms_norm(x, self.final_norm, self.eps))
         return logits if self.tp is None else self.tp.gather_vocab(logits, self.vocab_size)

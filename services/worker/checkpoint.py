@@ -16,6 +16,10 @@ from safetensors import safe_open
 
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
+# Tensors read in float32 whatever the run dtype, as transformers keeps them
+# (_keep_in_fp32_modules_strict): DeepSeek's expert-selection bias, whose
+# rounding to bfloat16 would change which experts a token picks.
+KEEP_FLOAT32 = ("e_score_correction_bias",)
 
 
 class Checkpoint:
@@ -42,9 +46,10 @@ class Checkpoint:
 
     def __getitem__(self, name: str) -> torch.Tensor:
         tensor = self._files[self._where[name]].get_tensor(name)
+        dtype = torch.float32 if name.endswith(KEEP_FLOAT32) else self.dtype
         # Always a copy: a tensor left on the file's mapping would keep the whole
         # file's pages resident for as long as the worker runs.
-        return tensor.to(dtype=self.dtype, device=self.device, copy=True)
+        return tensor.to(dtype=dtype, device=self.device, copy=True)
 
     def get(self, name: str) -> torch.Tensor | None:
         return self[name] if name in self else None

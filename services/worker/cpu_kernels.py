@@ -14,7 +14,8 @@
   shapes, level with it at 1,024 rows; on float32 FMAs over weights widened in
   registers where it has AVX2 and no AVX-512, on which oneDNN only emulates
   bfloat16. There also exactly-4-bit weights (int4.py) for steps of a few
-  rows, where torch's int4 kernel is slower than a float32 matmul.
+  rows, where torch's int4 kernel is slower than a float32 matmul. The same
+  tiles run a mixture-of-experts layer's experts in one call (GroupedLinear).
 
 The pure-torch paths (attention.py, decoder.py) stay the reference the tests
 hold these to, and the fallback where no compiler or no kernel exists (other
@@ -133,6 +134,13 @@ def load_library(kernels: Path) -> ctypes.CDLL | None:
         if hasattr(library, kernel):
             getattr(library, kernel).argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3
             getattr(library, kernel).restype = ctypes.c_int
+    if hasattr(library, "moe_combine_bf16"):  # kernels/moe.c (a checkout older than it has none)
+        library.moe_combine_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
+        library.moe_combine_bf16.restype = None
+    if hasattr(library, "grouped_linear_bf16"):  # beside linear_bf16 (a checkout older than it has none)
+        library.grouped_linear_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_void_p] + \
+            [ctypes.c_int64] * 2
+        library.grouped_linear_bf16.restype = ctypes.c_int
     return library
 
 
@@ -305,3 +313,73 @@ def packed_q4_linear(codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor
     library.pack_linear_q4(codes.data_ptr(), scale.data_ptr(), low.data_ptr(), out_features, in_features,
                            packed.data_ptr())
     return PackedLinear(library.linear_q4, packed, out_features, in_features, bias)
+
+
+class GroupedLinear:
+    """The linears of a mixture-of-experts layer's experts in one call: rows
+    offsets[g] to offsets[g + 1] of x [rows, in] (bfloat16) through expert g's
+    weight, on linear.c's grouped kernel with every weight packed once."""
+
+    def __init__(self, function, packed: torch.Tensor, groups: int, out_features: int, in_features: int):
+        self._function = function
+        self._packed = packed
+        self.groups, self.out_features, self.in_features = groups, out_features, in_features
+
+    def __call__(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """x [rows, in] sorted by group; offsets [groups + 1] int64 on the CPU,
+        each group's first row, then the end. Rows past offsets[-1] come out 0."""
+        if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != self.in_features:
+            raise ValueError(f"the grouped linear takes bfloat16 [rows, {self.in_features}], got {x.dtype} "
+                             f"{tuple(x.shape)}")
+        # The kernel reads rows up to offsets[-1] and each group's weight: bounds checked here, once.
+        if offsets.dtype != torch.int64 or offsets.shape != (self.groups + 1,) or int(offsets[0]) != 0 \
+                or int(offsets[-1]) > x.shape[0] or bool((offsets[1:] < offsets[:-1]).any()):
+            raise ValueError(f"offsets must be {self.groups + 1} non-decreasing int64 from 0 to at most {x.shape[0]}")
+        x, offsets = x.contiguous(), offsets.contiguous()
+        end = int(offsets[-1])
+        out = torch.empty((x.shape[0], self.out_features), dtype=torch.bfloat16)
+        out[end:] = 0
+        status = self._function(x.data_ptr(), self._packed.data_ptr(), offsets.data_ptr(), self.groups,
+                                out.data_ptr(), self.out_features, self.in_features)
+        if status != 0:
+            raise MemoryError("grouped linear kernel: out of memory for its work list")
+        return out
+
+
+def packed_grouped_linear(weights: torch.Tensor) -> GroupedLinear | None:
+    """linear.c's grouped kernel for bfloat16 weights [groups, out, in], or None
+    where there is none (as packed_linear: the layout, the CPU, the build)."""
+    groups, out_features, in_features = weights.shape
+    if weights.dtype != torch.bfloat16 or out_features % _LANES or in_features % 2:
+        return None
+    library = _library()
+    if library is None or not hasattr(library, "grouped_linear_bf16"):
+        return None
+    weights = weights.detach().contiguous()
+    packed = torch.empty(weights.numel(), dtype=torch.bfloat16)
+    size = out_features * in_features
+    for group in range(groups):  # at load, once per expert
+        library.pack_linear_bf16(weights[group].data_ptr(), out_features, in_features,
+                                 packed[group * size:].data_ptr())
+    return GroupedLinear(library.grouped_linear_bf16, packed, groups, out_features, in_features)
+
+
+def moe_combine(rows: torch.Tensor, where: torch.Tensor, weights: torch.Tensor, tokens: int) -> torch.Tensor | None:
+    """out [tokens, dim] float32 = sum over j < k of weights[t * k + j] *
+    rows[where[t * k + j]] (rows bfloat16 [N, dim]; where int64 [tokens * k],
+    negative: skipped; weights float32 [tokens * k]) in one pass of
+    kernels/moe.c; None where it is not built or dim is not a multiple of 16."""
+    library = _library()
+    if library is None or not hasattr(library, "moe_combine_bf16") or rows.dtype != torch.bfloat16 \
+            or rows.shape[1] % _LANES:
+        return None
+    k = where.numel() // max(tokens, 1)
+    # The kernel reads rows[where]: bounds checked here, once.
+    if where.dtype != torch.int64 or weights.dtype != torch.float32 or where.numel() != tokens * k \
+            or weights.numel() != where.numel() or (where.numel() and int(where.max()) >= rows.shape[0]):
+        raise ValueError("moe_combine takes int64 where and float32 weights, one per pair, within the rows")
+    rows, where, weights = rows.contiguous(), where.contiguous(), weights.contiguous()
+    out = torch.empty((tokens, rows.shape[1]), dtype=torch.float32)
+    library.moe_combine_bf16(rows.data_ptr(), where.data_ptr(), weights.data_ptr(), out.data_ptr(), tokens, k,
+                             rows.shape[1])
+    return out

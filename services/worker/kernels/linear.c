@@ -27,6 +27,9 @@
  *   This build also has a 4-bit kernel (linear_q4, below) for steps of a few
  *   rows.
  *
+ * Both builds also have grouped_linear_bf16: one call for the experts of a
+ * mixture-of-experts layer, each expert's rows against its own weight.
+ *
  * Elsewhere none is built; cpu_kernels.py then finds no `linear_bf16` in the
  * library and the backend keeps oneDNN or plain matmuls. */
 #include <omp.h>
@@ -47,6 +50,17 @@ void pack_linear_bf16(const uint16_t *weight, int64_t n, int64_t k, uint16_t *pa
                 dst[0] = weight[(b * BLOCK + j) * k + 2 * p];
                 dst[1] = weight[(b * BLOCK + j) * k + 2 * p + 1];
             }
+}
+
+/* The groups of rows that have any (grouped_linear_bf16's work list), or NULL
+ * when out of memory. */
+static int64_t *groups_with_rows(const int64_t *offsets, int64_t groups, int64_t *count) {
+    int64_t *active = malloc((size_t)(groups > 0 ? groups : 1) * sizeof(int64_t));
+    *count = 0;
+    if (active == NULL) return NULL;
+    for (int64_t g = 0; g < groups; g++)
+        if (offsets[g + 1] > offsets[g]) active[(*count)++] = g;
+    return active;
 }
 
 #endif
@@ -96,25 +110,19 @@ INLINE void tile(const uint16_t *x, const uint16_t *w, const uint16_t *bias, con
         }
 }
 
-/* out [m, n] = x [m, k] @ W.T (+ bias [n]) (+ residual [m, n]); bias and
- * residual may be NULL. Every array contiguous bfloat16. Returns 0 (the AVX2
- * build returns -1 when it cannot allocate its float32 rows). */
-int linear_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, const uint16_t *residual,
-                uint16_t *out, int64_t m, int64_t n, int64_t k) {
-    const int64_t blocks = n / BLOCK, strips = (blocks + STRIP - 1) / STRIP;
-#pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t s = 0; s < strips; s++) {
-        const int64_t b = s * STRIP, col = b * BLOCK;
-        const int nb = (int)MIN(STRIP, blocks - b);
-        /* The strip this thread likely takes next, prefetched into L2 by the second tile. */
-        const int64_t ns = s + omp_get_num_threads();
-        const int next_blocks = ns < strips && m > TILE_ROWS ? (int)MIN(STRIP, blocks - ns * STRIP) : 0;
-        const uint16_t *next = next_blocks ? packed + ns * STRIP * k * BLOCK : NULL;
-        const uint16_t *w = packed + b * k * BLOCK, *strip_bias = bias == NULL ? NULL : bias + col;
-        for (int64_t r = 0; r < m; r += TILE_ROWS) {
-            const int rows = (int)MIN(TILE_ROWS, m - r);
-            const uint16_t *tile_residual = residual == NULL ? NULL : residual + r * n + col;
-            /* Constant row and block counts, so each case compiles to its own unrolled tile. */
+/* Strip s of out [m, n] (up to STRIP blocks from block s * STRIP), every row
+ * of x: the tiles of linear_bf16 and grouped_linear_bf16. `next` (NULL or
+ * next_blocks blocks) is the strip this thread likely takes next. */
+INLINE void strip_rows(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, const uint16_t *residual,
+                       uint16_t *out, int64_t m, int64_t n, int64_t k, int64_t s, const uint16_t *next,
+                       int next_blocks) {
+    const int64_t blocks = n / BLOCK, b = s * STRIP, col = b * BLOCK;
+    const int nb = (int)MIN(STRIP, blocks - b);
+    const uint16_t *w = packed + b * k * BLOCK, *strip_bias = bias == NULL ? NULL : bias + col;
+    for (int64_t r = 0; r < m; r += TILE_ROWS) {
+        const int rows = (int)MIN(TILE_ROWS, m - r);
+        const uint16_t *tile_residual = residual == NULL ? NULL : residual + r * n + col;
+        /* Constant row and block counts, so each case compiles to its own unrolled tile. */
 #define TILE(ROWS, BLOCKS) tile(x + r * k, w, strip_bias, tile_residual, out + r * n + col, n, k, ROWS, BLOCKS, r == 0, \
                                 next, r == TILE_ROWS ? next_blocks : 0)
 #define BLOCKS_OF(ROWS)                            \
@@ -123,20 +131,62 @@ int linear_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias,
         case 2: TILE(ROWS, 2); break;              \
         default: TILE(ROWS, 1);                    \
     }
-            switch (rows) {
-                case 8: BLOCKS_OF(8); break;
-                case 7: BLOCKS_OF(7); break;
-                case 6: BLOCKS_OF(6); break;
-                case 5: BLOCKS_OF(5); break;
-                case 4: BLOCKS_OF(4); break;
-                case 3: BLOCKS_OF(3); break;
-                case 2: BLOCKS_OF(2); break;
-                default: BLOCKS_OF(1);
-            }
+        switch (rows) {
+            case 8: BLOCKS_OF(8); break;
+            case 7: BLOCKS_OF(7); break;
+            case 6: BLOCKS_OF(6); break;
+            case 5: BLOCKS_OF(5); break;
+            case 4: BLOCKS_OF(4); break;
+            case 3: BLOCKS_OF(3); break;
+            case 2: BLOCKS_OF(2); break;
+            default: BLOCKS_OF(1);
+        }
 #undef BLOCKS_OF
 #undef TILE
-        }
     }
+}
+
+/* out [m, n] = x [m, k] @ W.T (+ bias [n]) (+ residual [m, n]); bias and
+ * residual may be NULL. Every array contiguous bfloat16. Returns 0 (the AVX2
+ * build returns -1 when it cannot allocate its float32 rows). */
+int linear_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, const uint16_t *residual,
+                uint16_t *out, int64_t m, int64_t n, int64_t k) {
+    const int64_t blocks = n / BLOCK, strips = (blocks + STRIP - 1) / STRIP;
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t s = 0; s < strips; s++) {
+        /* The strip this thread likely takes next, prefetched into L2 by the second tile. */
+        const int64_t ns = s + omp_get_num_threads();
+        const int next_blocks = ns < strips && m > TILE_ROWS ? (int)MIN(STRIP, blocks - ns * STRIP) : 0;
+        const uint16_t *next = next_blocks ? packed + ns * STRIP * k * BLOCK : NULL;
+        strip_rows(x, packed, bias, residual, out, m, n, k, s, next, next_blocks);
+    }
+    return 0;
+}
+
+/* A mixture-of-experts layer's linears in one call: rows offsets[g] to
+ * offsets[g + 1] of out [rows, n] = the same rows of x [rows, k] @ W_g.T, for
+ * groups g of weights packed one after another (pack_linear_bf16 of each
+ * [n, k]). Threads take (group, strip) items of the groups that have rows, in
+ * group order, so they stream through one group's weights together and the
+ * groups without rows are never read; one parallel region where a call per
+ * group would pay a fork and join each. Rows from offsets[groups] on are left
+ * unwritten. Returns 0, or -1 when out of memory. */
+int grouped_linear_bf16(const uint16_t *x, const uint16_t *packed, const int64_t *offsets, int64_t groups,
+                        uint16_t *out, int64_t n, int64_t k) {
+    const int64_t blocks = n / BLOCK, strips = (blocks + STRIP - 1) / STRIP;
+    int64_t count;
+    int64_t *active = groups_with_rows(offsets, groups, &count);
+    if (active == NULL) return -1;
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t item = 0; item < count * strips; item++) {
+        const int64_t g = active[item / strips], s = item % strips, first = offsets[g], m = offsets[g + 1] - first;
+        const int64_t next_item = item + omp_get_num_threads();
+        const int64_t ng = next_item < count * strips ? active[next_item / strips] : -1, ns = next_item % strips;
+        const int next_blocks = ng >= 0 && m > TILE_ROWS ? (int)MIN(STRIP, blocks - ns * STRIP) : 0;
+        const uint16_t *next = next_blocks ? packed + ng * n * k + ns * STRIP * k * BLOCK : NULL;
+        strip_rows(x + first * k, packed + g * n * k, NULL, NULL, out + first * n, m, n, k, s, next, next_blocks);
+    }
+    free(active);
     return 0;
 }
 
@@ -328,31 +378,64 @@ static float *widened(const uint16_t *x, int64_t count) {
     return rows;
 }
 
+/* Strip s of out [m, n] (up to STRIP blocks) from float32 rows x [m, k]: the
+ * tiles of linear_bf16 and grouped_linear_bf16. */
+INLINE void strip_rows(const float *x, const uint16_t *packed, const uint16_t *bias, const uint16_t *residual,
+                       uint16_t *out, int64_t m, int64_t n, int64_t k, int64_t s) {
+    const int64_t blocks = n / BLOCK;
+    for (int64_t r = 0; r < m; r += TILE_ROWS)
+        for (int64_t b = s * STRIP; b < MIN((s + 1) * STRIP, blocks); b++) {
+            const int tile_rows = (int)MIN(TILE_ROWS, m - r);
+            const int64_t col = b * BLOCK;
+            const uint16_t *tile_bias = bias == NULL ? NULL : bias + col;
+            const uint16_t *tile_residual = residual == NULL ? NULL : residual + r * n + col;
+            /* Constant row counts, so each case compiles to its own unrolled tile. */
+#define TILE(ROWS) tile(x + r * k, packed + b * k * BLOCK, tile_bias, tile_residual, out + r * n + col, n, k, ROWS)
+            switch (tile_rows) {
+                case 5: TILE(5); break;
+                case 4: TILE(4); break;
+                case 3: TILE(3); break;
+                case 2: TILE(2); break;
+                default: TILE(1);
+            }
+#undef TILE
+        }
+}
+
 int linear_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, const uint16_t *residual,
                 uint16_t *out, int64_t m, int64_t n, int64_t k) {
     float *rows = widened(x, m * k);
     if (rows == NULL) return -1;
     const int64_t blocks = n / BLOCK, strips = (blocks + STRIP - 1) / STRIP;
 #pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t s = 0; s < strips; s++)
-        for (int64_t r = 0; r < m; r += TILE_ROWS)
-            for (int64_t b = s * STRIP; b < MIN((s + 1) * STRIP, blocks); b++) {
-                const int tile_rows = (int)MIN(TILE_ROWS, m - r);
-                const int64_t col = b * BLOCK;
-                const uint16_t *tile_bias = bias == NULL ? NULL : bias + col;
-                const uint16_t *tile_residual = residual == NULL ? NULL : residual + r * n + col;
-                /* Constant row counts, so each case compiles to its own unrolled tile. */
-#define TILE(ROWS) tile(rows + r * k, packed + b * k * BLOCK, tile_bias, tile_residual, out + r * n + col, n, k, ROWS)
-                switch (tile_rows) {
-                    case 5: TILE(5); break;
-                    case 4: TILE(4); break;
-                    case 3: TILE(3); break;
-                    case 2: TILE(2); break;
-                    default: TILE(1);
-                }
-#undef TILE
-            }
+    for (int64_t s = 0; s < strips; s++) strip_rows(rows, packed, bias, residual, out, m, n, k, s);
     free(rows);
+    return 0;
+}
+
+/* As the AVX-512 build's grouped_linear_bf16, the rows widened once. */
+int grouped_linear_bf16(const uint16_t *x, const uint16_t *packed, const int64_t *offsets, int64_t groups,
+                        uint16_t *out, int64_t n, int64_t k) {
+    const int64_t strips = (n / BLOCK + STRIP - 1) / STRIP;
+    int64_t count;
+    int64_t *active = groups_with_rows(offsets, groups, &count);
+    if (active != NULL && count == 0) {
+        free(active);
+        return 0;
+    }
+    float *rows = active == NULL ? NULL : widened(x, offsets[groups] * k);
+    if (rows == NULL) {
+        free(active);
+        return -1;
+    }
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t item = 0; item < count * strips; item++) {
+        const int64_t g = active[item / strips], first = offsets[g];
+        strip_rows(rows + first * k, packed + g * n * k, NULL, NULL, out + first * n, offsets[g + 1] - first, n, k,
+                   item % strips);
+    }
+    free(rows);
+    free(active);
     return 0;
 }
 

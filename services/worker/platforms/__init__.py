@@ -9,10 +9,10 @@ import logging
 
 import torch
 
-from services.worker.platforms.base import DTYPES, Linear, Platform, TorchLayerOps, torch_dtype
+from services.worker.platforms.base import DTYPES, LayerOps, Linear, Platform, TorchLayerOps, torch_dtype
 from services.worker.platforms.cpu import CpuPlatform
 
-__all__ = ["DTYPES", "Linear", "Platform", "TorchLayerOps", "select_platform", "torch_dtype"]
+__all__ = ["DTYPES", "LayerOps", "Linear", "Platform", "TorchLayerOps", "select_platform", "torch_dtype"]
 
 log = logging.getLogger(__name__)
 

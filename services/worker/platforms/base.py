@@ -5,7 +5,8 @@ A platform owns, for one device kind: device selection and synchronisation,
 memory queries and the share of memory the KV pool may take, the dtype
 `auto` means, the KV block sizes its attention kernel accepts, the paged
 attention kernel (which also writes each step's K/V into the pool), the
-linears, the fused RMSNorm / rotary / SiLU-times-up ops, and the
+linears, the fused RMSNorm / rotary / SiLU-times-up ops, the
+mixture-of-experts router and experts (moe_ops.py), and the
 torch.distributed backend of its tensor-parallel group. Model code
 (decoder.py, attention.py) is device-agnostic torch and asks the platform.
 
@@ -22,6 +23,8 @@ from typing import ClassVar, Protocol
 
 import torch
 import torch.nn.functional as F
+
+from services.worker.platforms.moe_ops import MoeExperts, MoeRouting, TorchExperts, select_experts
 
 DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
@@ -126,6 +129,24 @@ class Platform:
         KV pool of `dtype`, this attention shape (the heads of this rank) and
         block size; None means attention.py's SDPA path, also where the kernel
         does not take this dtype or block size."""
+        return None
+
+    def moe_select(self, logits: torch.Tensor, routing: MoeRouting) -> tuple[torch.Tensor, torch.Tensor]:
+        """A mixture-of-experts router's choice: logits [T, E] -> (weights [T, k]
+        float32, ids [T, k]) (moe_ops.select_experts, the reference)."""
+        return select_experts(logits, routing)
+
+    def moe_experts(self, gate_up: torch.Tensor, down: torch.Tensor, first_expert: int = 0,
+                    num_experts: int | None = None) -> MoeExperts:
+        """One layer's routed experts, prepared once: gate_up [E_local, 2I, H],
+        down [E_local, H, I], the experts first_expert onwards of num_experts
+        (default: all). The caller may drop its tensors after (moe_ops.py)."""
+        return TorchExperts(gate_up, down, first_expert, num_experts)
+
+    def mla_ops(self, spec, num_heads: int):
+        """This device's fused MLA ops (mla.MlaOps) over a latent pool of `spec`
+        (kv_cache.KVCacheSpec) for `num_heads` query heads (this rank's); None
+        means mla.py's torch ops."""
         return None
 
     def set_device(self, local_rank: int) -> None:

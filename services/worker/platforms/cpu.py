@@ -1,5 +1,6 @@
 """CPU: the native kernels (cpu_kernels.py) where a C compiler built them,
-oneDNN-prepacked linears otherwise, and gloo for tensor parallelism."""
+oneDNN-prepacked linears otherwise (also per expert of a mixture-of-experts
+layer where the grouped kernel is not built), and gloo for tensor parallelism."""
 from __future__ import annotations
 
 import functools
@@ -11,6 +12,7 @@ import torch
 from services.worker import cpu_kernels, int4
 from services.worker.attention import StepSequences, write_kv_by_slot
 from services.worker.platforms.base import Linear, Platform, TorchLayerOps, host_available_memory, plain_linear
+from services.worker.platforms.moe_ops import ANY_HEAD_DIM, LinearExperts, MoeExperts, SortedExperts, SortedRows
 
 # oneDNN and torch's ideep layer each keep every matmul primitive they build, one
 # per input row count, about 0.7 MiB each: left at their default of 1,024,
@@ -151,3 +153,43 @@ class CpuPlatform(Platform):
                         block_size: int) -> CpuAttention | None:
         kernel = cpu_kernels.paged_attention(dtype, num_heads, num_kv_heads, head_dim)
         return None if kernel is None else CpuAttention(kernel)
+
+    def moe_experts(self, gate_up: torch.Tensor, down: torch.Tensor, first_expert: int = 0,
+                    num_experts: int | None = None) -> MoeExperts:
+        """bfloat16 experts run on linear.c's grouped kernel where `linear` would
+        take linear.c's: per step one call for every expert's gate_up, one
+        SiLU-times-up, one call for every down, the experts without rows never
+        read. Otherwise each expert with rows runs on this platform's linears."""
+        hidden, intermediate = down.shape[1], down.shape[2]
+        silu_mul = self.layer_ops(gate_up.dtype, hidden, intermediate, ANY_HEAD_DIM).silu_mul
+        grouped = None if torch.cpu._is_amx_tile_supported() else cpu_kernels.packed_grouped_linear(gate_up)
+        grouped_down = None if grouped is None else cpu_kernels.packed_grouped_linear(down)
+        if grouped is not None and grouped_down is not None:
+            return GroupedCpuExperts(grouped, grouped_down, silu_mul, first_expert, num_experts)
+        return LinearExperts([self.linear(w, None) for w in gate_up], [self.linear(w, None) for w in down],
+                             silu_mul, first_expert, num_experts)
+
+
+class GroupedCpuExperts(SortedExperts):
+    """The experts' GEMMs on cpu_kernels.GroupedLinear (moe_ops.SortedExperts sorts and combines)."""
+
+    def __init__(self, gate_up: cpu_kernels.GroupedLinear, down: cpu_kernels.GroupedLinear, silu_mul,
+                 first_expert: int, num_experts: int | None):
+        super().__init__(gate_up.groups, first_expert, num_experts)
+        self._gate_up, self._down, self._silu_mul = gate_up, down, silu_mul
+
+    def run_sorted(self, x_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        offsets = torch.zeros(self.num_local + 1, dtype=torch.int64)
+        torch.cumsum(counts, 0, out=offsets[1:])
+        # Rows past offsets[-1] (other shards') come out of both GEMMs as 0.
+        return self._down(self._silu_mul(self._gate_up(x_sorted, offsets)), offsets)
+
+    def combine(self, y_sorted: torch.Tensor, weights: torch.Tensor, rows: SortedRows,
+                num_tokens: int) -> torch.Tensor:
+        """kernels/moe.c's one pass, reading each pair's row where it sorted to."""
+        positions = torch.arange(rows.order.numel())
+        if rows.local is not None:  # another shard's pairs: skipped
+            positions = torch.where(rows.local, positions, -1)
+        where = torch.empty_like(positions).index_copy_(0, rows.order, positions)
+        out = cpu_kernels.moe_combine(y_sorted, where, weights.reshape(-1).float(), num_tokens)
+        return super().combine(y_sorted, weights, rows, num_tokens) if out is None else out

@@ -14,6 +14,10 @@ with a reference of varlen_attn's semantics: tests/unit/worker/test_cuda_attenti
 
 Where torch's varlen_attn lacks the paged arguments (torch 2.11 has no
 block_table, seqused_k or enable_gqa), every pool attends through SDPA.
+
+Mixture-of-experts layers run their experts on torch's grouped GEMM
+(F.grouped_mm / torch._grouped_mm, bfloat16, sm80+ / sm90) where it exists.
+Like the rest of this file, never run on a GPU here.
 """
 from __future__ import annotations
 
@@ -24,9 +28,11 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 
 from services.worker.attention import StepSequences, write_kv_by_slot
 from services.worker.platforms.base import Platform
+from services.worker.platforms.moe_ops import MoeExperts, SortedExperts
 
 log = logging.getLogger(__name__)
 
@@ -124,3 +130,52 @@ class CudaPlatform(Platform):
                         "attends through SDPA", FLASH_DTYPES, PAGE_SIZE_MULTIPLE, dtype, block_size)
             return None
         return VarlenAttention(num_heads, num_kv_heads, head_dim, block_size)
+
+    def moe_experts(self, gate_up: torch.Tensor, down: torch.Tensor, first_expert: int = 0,
+                    num_experts: int | None = None) -> MoeExperts:
+        """bfloat16 experts on torch's grouped GEMM where it runs (grouped_mm_fits),
+        two calls per step whatever the number of experts with rows; otherwise
+        the torch reference (one F.linear pair per expert with rows)."""
+        if not (grouped_mm_fits(gate_up) and grouped_mm_fits(down)):
+            return super().moe_experts(gate_up, down, first_expert, num_experts)
+        return GroupedMmExperts(gate_up, down, first_expert, num_experts)
+
+
+def grouped_mm():
+    """torch's grouped GEMM: F.grouped_mm (torch 2.10 on), else torch._grouped_mm, else None."""
+    return getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def grouped_mm_fits(weight: torch.Tensor) -> bool:
+    """Whether torch's grouped GEMM takes these experts' weights [E, N, K]:
+    bfloat16, N and K multiples of 8, on a CUDA device of compute capability
+    8.0 or newer for F.grouped_mm (its documentation), 9.x where torch has
+    only torch._grouped_mm (Hopper-only before torch 2.9; transformers' moe
+    integration checks the same way)."""
+    if weight.dtype != torch.bfloat16 or weight.device.type != "cuda" or grouped_mm() is None:
+        return False
+    if weight.shape[1] % 8 or weight.shape[2] % 8:  # the kernel's operands: rows 16-byte aligned
+        return False
+    capability = torch.cuda.get_device_capability(weight.device)
+    return capability >= (8, 0) if hasattr(torch.nn.functional, "grouped_mm") else capability[0] == 9
+
+
+class GroupedMmExperts(SortedExperts):
+    """The experts' GEMMs as two grouped GEMMs over the sorted rows, offsets on
+    the device: no host sync. Never run on a GPU here (none in this
+    repository's CI); torch 2.13 runs the same op on CPU tensors, which is how
+    tests/unit/worker/test_moe.py checks the offsets and operand layouts."""
+
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, first_expert: int, num_experts: int | None):
+        super().__init__(gate_up.shape[0], first_expert, num_experts)
+        # mat_b [E, K, N]: the transposed views of [E, N, K], the column-major
+        # operand the kernel wants (as transformers passes it).
+        self._gate_up, self._down = gate_up.transpose(1, 2), down.transpose(1, 2)
+        self._mm = grouped_mm()
+
+    def run_sorted(self, x_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        offsets = torch.cumsum(counts, 0, dtype=torch.int32)  # each expert's end row
+        gate, up = self._mm(x_sorted, self._gate_up, offs=offsets).chunk(2, dim=-1)
+        # Rows past offsets[-1] (other shards') are left as the kernel leaves them;
+        # moe_ops.combine counts them for nothing.
+        return self._mm(F.silu(gate) * up, self._down, offs=offsets)

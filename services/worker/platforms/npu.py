@@ -23,6 +23,19 @@
   float16 / bfloat16; other pools attend through attention.py's SDPA path.
 - npu_rms_norm, npu_swiglu (silu of the first half times the second), and
   npu_rotary_mul (rotate-half, 4-d inputs) for the lean decoder's layer ops.
+- MLA (mla.py), as vllm-ascend's attention/mla_v1.py runs it: the latent's
+  RMSNorm, the rope key's interleaved RoPE and both cache writes in one
+  npu_kv_rmsnorm_rope_cache(cache_mode="PA") over the pool's latent and rope
+  caches viewed (num_blocks, block_size, 1, 512 / 64); the query's RoPE by
+  npu_interleave_rope; absorbed decode by npu_fused_infer_attention_score_v2
+  with query_rope / key_rope, BNSD_NBSD, the latent as key and value. Those ops
+  take DeepSeek-V3's 512 + 64 latent, float16 / bfloat16, 1 to 128 query heads
+  (powers of two); other pools run mla.py's torch path. Prefill chunks attend
+  through SDPA over the expanded K/V (torch ops on the device) there as here.
+- Mixture-of-experts layers: npu_moe_gating_top_k for the router (DeepSeek's
+  grouped sigmoid with its bias, and softmax top-k), then vllm-ascend's chain:
+  npu_moe_init_routing_v2, npu_grouped_matmul, npu_swiglu,
+  npu_grouped_matmul, npu_moe_token_unpermute (NpuExperts).
 - torch.npu.set_device / synchronize / mem_get_info; HCCL collectives.
 
 Never run on an NPU in this repository: tests/fake_npu holds a torch_npu whose
@@ -40,7 +53,10 @@ from typing import ClassVar
 import torch
 
 from services.worker.attention import DecodeBatch, StepSequences, decode_batch, decode_sdpa, write_kv_by_slot
+from services.worker.kv_cache import KVCacheSpec
 from services.worker.platforms.base import Platform
+from services.worker.platforms.moe_ops import RENORM_EPS, MoeRouting
+from services.worker.platforms.npu_moe import NpuExperts, gating_fits
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +65,9 @@ MASK_SIZE = 2048
 FUSED_BLOCK_SIZES = range(128, 513, 128)
 FUSED_DTYPES = (torch.float16, torch.bfloat16)
 CAUSAL, BAND = 3, 4
+# What the fused MLA ops take: (kv_lora_rank, rope_dim), and query heads per rank.
+MLA_LATENT = (512, 64)
+MLA_QUERY_HEADS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
 def import_torch_npu():
@@ -166,6 +185,61 @@ class NpuLayerOps:
         return self._npu.npu_rotary_mul(x.contiguous()[None], cos[None, :, None, :], sin[None, :, None, :])[0]
 
 
+class NpuMlaOps:
+    """mla.MlaOps on Ascend's fused MLA ops (the module docstring); one for every
+    MLA layer of a model, so that a step's block tables are made once."""
+
+    def __init__(self, torch_npu, block_size: int):
+        self._npu = torch_npu
+        self._block_size = block_size
+        self._decode_of: DecodeBatch | None = None  # the step whose decode inputs are held
+        self._decode_inputs: tuple[torch.Tensor, list[int]] = (torch.empty(0), [])
+
+    def write_latent(self, kv: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: torch.Tensor,
+                     sin: torch.Tensor, latent_cache: torch.Tensor, rope_cache: torch.Tensor,
+                     slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rows, rank, rope_dim = kv.shape[0], latent_cache.shape[-1], rope_cache.shape[-1]
+        # Each token a batch row of one: the op's [B, N, S, D] with N = S = 1.
+        _, _, k_pe, c_kv = self._npu.npu_kv_rmsnorm_rope_cache(
+            kv.contiguous().view(rows, 1, 1, -1), norm_weight, cos.reshape(rows, 1, 1, -1),
+            sin.reshape(rows, 1, 1, -1), slot_mapping.to(torch.int64),
+            rope_cache.view(-1, self._block_size, 1, rope_dim), latent_cache.view(-1, self._block_size, 1, rank),
+            epsilon=eps, cache_mode="PA", is_output_kv=True,
+        )
+        return c_kv.view(rows, rank), k_pe.view(rows, rope_dim)
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, rope_dim] as the op's [B, N, S, D] with S = 1."""
+        rows = x.shape[0]
+        return self._npu.npu_interleave_rope(x.contiguous()[:, :, None, :], cos.reshape(rows, 1, 1, -1),
+                                             sin.reshape(rows, 1, 1, -1))[:, :, 0]
+
+    def _block_tables(self, decode: DecodeBatch) -> tuple[torch.Tensor, list[int]]:
+        """The decodes' block tables [B, max_blocks] int32, read off the first slot
+        of each block of the gathered layout, and context lengths: made by a
+        step's first layer, reused by the others (one host sync per step)."""
+        if self._decode_of is not decode:
+            tables = (decode.context_slots[:, :: self._block_size] // self._block_size).to(torch.int32)
+            self._decode_of = decode
+            self._decode_inputs = (tables, (decode.query_positions[:, 0] + 1).tolist())
+        return self._decode_inputs
+
+    def decode(self, q_latent: torch.Tensor, q_rope: torch.Tensor, latent_cache: torch.Tensor,
+               rope_cache: torch.Tensor, decode: DecodeBatch, scale: float) -> torch.Tensor:
+        """Returns [heads, B, kv_lora_rank], the op's NBSD output."""
+        num_heads, rank, rope_dim = q_latent.shape[1], latent_cache.shape[-1], rope_cache.shape[-1]
+        block_table, context_lens = self._block_tables(decode)
+        latent = latent_cache.view(-1, 1, self._block_size, rank)  # (blocks, KV_N = 1, block_size, D)
+        out, _ = self._npu.npu_fused_infer_attention_score_v2(
+            q_latent.contiguous()[:, :, None, :], latent, latent,
+            query_rope=q_rope.contiguous()[:, :, None, :],
+            key_rope=rope_cache.view(-1, 1, self._block_size, rope_dim),
+            num_query_heads=num_heads, num_key_value_heads=1, input_layout="BNSD_NBSD", softmax_scale=scale,
+            block_table=block_table, block_size=self._block_size, actual_seq_kvlen=context_lens,
+        )
+        return out[:, :, 0]
+
+
 class NpuPlatform(Platform):
     name: ClassVar[str] = "npu"
     dist_backend: ClassVar[str] = "hccl"
@@ -198,3 +272,35 @@ class NpuPlatform(Platform):
             return None
         return NpuAttention(self._npu, num_heads, num_kv_heads, head_dim, block_size, self.device,
                             self._scatter_cache_mode)
+
+    def moe_select(self, logits: torch.Tensor, routing: MoeRouting) -> tuple[torch.Tensor, torch.Tensor]:
+        """npu_moe_gating_top_k where it takes the routing (gating_fits), on float32
+        logits as transformers scores them; otherwise the torch reference."""
+        if not gating_fits(logits.shape[-1], routing):
+            return super().moe_select(logits, routing)
+        sigmoid = routing.scoring == "sigmoid"
+        weights, ids, _ = self._npu.npu_moe_gating_top_k(
+            logits.float(), k=routing.top_k, bias=None if routing.bias is None else routing.bias.float(),
+            k_group=routing.topk_groups, group_count=routing.num_groups, group_select_mode=1,  # groups by top-2 sum
+            renorm=0, norm_type=1 if sigmoid else 0, routed_scaling_factor=routing.scaling_factor if sigmoid else 1.0,
+            eps=RENORM_EPS)
+        if not sigmoid:  # the op renormalises sigmoid scores only; softmax ones as vllm-ascend does, after it
+            if routing.renormalize:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+            weights = weights * routing.scaling_factor if routing.scaling_factor != 1.0 else weights
+        return weights, ids
+
+    def moe_experts(self, gate_up: torch.Tensor, down: torch.Tensor, first_expert: int = 0,
+                    num_experts: int | None = None) -> NpuExperts:
+        return NpuExperts(self._npu, gate_up, down, first_expert, num_experts)
+
+    def mla_ops(self, spec: KVCacheSpec, num_heads: int) -> NpuMlaOps | None:
+        latent = spec.latent
+        fits = (latent is not None and (latent.kv_lora_rank, latent.rope_dim) == MLA_LATENT
+                and spec.dtype in FUSED_DTYPES and spec.block_size in FUSED_BLOCK_SIZES
+                and num_heads in MLA_QUERY_HEADS)
+        if not fits:
+            log.warning("Ascend's fused MLA ops take a %s latent in %s pools of 128 to 512-token blocks and up to "
+                        "128 query heads (powers of two); MLA runs in torch ops", MLA_LATENT, FUSED_DTYPES)
+            return None
+        return NpuMlaOps(self._npu, spec.block_size)

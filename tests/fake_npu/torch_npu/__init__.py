@@ -188,6 +188,146 @@ npu_swiglu = torch.ops.npu.npu_swiglu
 npu_rotary_mul = torch.ops.npu.npu_rotary_mul
 
 
+# --- MLA (DeepSeek-V3's multi-head latent attention), as vllm-ascend's attention/mla_v1.py calls it ---
+
+MLA_SCHEMAS = {
+    "npu_kv_rmsnorm_rope_cache": (
+        "npu_kv_rmsnorm_rope_cache(Tensor kv, Tensor gamma, Tensor cos, Tensor sin, Tensor index, Tensor k_cache, "
+        "Tensor ckv_cache, *, Tensor? k_rope_scale=None, Tensor? c_kv_scale=None, Tensor? k_rope_offset=None, "
+        "Tensor? c_kv_offset=None, Tensor? v=None, float epsilon=1e-5, str cache_mode='Norm', bool "
+        "is_output_kv=False) -> (Tensor, Tensor, Tensor, Tensor)"
+    ),
+    "npu_interleave_rope": (
+        "npu_interleave_rope(Tensor x, Tensor cos, Tensor sin) -> Tensor"
+    ),
+    "npu_fused_infer_attention_score_v2": (
+        "npu_fused_infer_attention_score_v2(Tensor query, Tensor key, Tensor value, *, Tensor? query_rope=None, "
+        "Tensor? key_rope=None, Tensor? pse_shift=None, Tensor? atten_mask=None, SymInt[]? actual_seq_qlen=None, "
+        "SymInt[]? actual_seq_kvlen=None, Tensor? block_table=None, Tensor? dequant_scale_query=None, Tensor? "
+        "dequant_scale_key=None, Tensor? dequant_offset_key=None, Tensor? dequant_scale_value=None, Tensor? "
+        "dequant_offset_value=None, Tensor? dequant_scale_key_rope=None, Tensor? quant_scale_out=None, Tensor? "
+        "quant_offset_out=None, Tensor? quant_scale_p=None, Tensor? learnable_sink=None, int num_query_heads=1, "
+        "int num_key_value_heads=0, float softmax_scale=1.0, int pre_tokens=2147483647, int "
+        "next_tokens=2147483647, str input_layout=\"BSH\", int sparse_mode=0, int block_size=0, int "
+        "query_quant_mode=0, int key_quant_mode=0, int value_quant_mode=0, int inner_precise=0, bool "
+        "return_softmax_lse=False, int? query_dtype=None, int? key_dtype=None, int? value_dtype=None, int? "
+        "query_rope_dtype=None, int? key_rope_dtype=None, int? key_shared_prefix_dtype=None, int? "
+        "value_shared_prefix_dtype=None, int? dequant_scale_query_dtype=None, int? dequant_scale_key_dtype=None, "
+        "int? dequant_scale_value_dtype=None, int? dequant_scale_key_rope_dtype=None, int? out_dtype=None) -> "
+        "(Tensor, Tensor)"
+    ),
+}
+# The sizes the MLA ops take (their documentation): a 512-value latent, a 64-value rope key.
+_MLA_RANK, _MLA_ROPE = 512, 64
+
+
+def _deinterleave_rope(x, cos, sin):
+    """The ops' interleaved RoPE: adjacent pairs gathered into halves, then
+    x * cos + rotate_half(x) * sin (cos, sin: cat(freqs, freqs) over D)."""
+    x = torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def _kv_rmsnorm_rope_cache(kv, gamma, cos, sin, index, k_cache, ckv_cache, k_rope_scale=None, c_kv_scale=None,
+                           k_rope_offset=None, c_kv_offset=None, v=None, epsilon=1e-5, cache_mode="Norm",
+                           is_output_kv=False):
+    """kv [B, 1, S, 576]: RMSNorm (gamma [512]) of the first 512 values into
+    ckv_cache, interleaved RoPE (cos, sin [B, 1, S, 64]) of the last 64 into
+    k_cache, each token at its global slot index [B * S] (int64) of caches
+    (num_blocks, block_size, 1, D): the paged modes "PA" / "PA_BNSD" only (the NZ
+    ones are fractal layouts, "Norm" is per batch row). Returns (k_cache,
+    ckv_cache, k_embed_out [B, 1, S, 64], y_out [B, 1, S, 512]); the last two
+    only with is_output_kv, empty otherwise."""
+    _check(cache_mode in ("PA", "PA_BNSD"), f"cache_mode {cache_mode!r}: the reference lays out PA / PA_BNSD only")
+    _check(all(t is None for t in (k_rope_scale, c_kv_scale, k_rope_offset, c_kv_offset, v)),
+           "quantized caches are not modelled")
+    _check(kv.dim() == 4 and kv.shape[1] == 1 and kv.shape[3] == _MLA_RANK + _MLA_ROPE, "kv [B, 1, S, 576]")
+    _check(gamma.shape == (_MLA_RANK,), "gamma [512]")
+    _check(cos.shape == sin.shape == (*kv.shape[:3], _MLA_ROPE), "cos, sin [B, 1, S, 64]")
+    _check(index.dtype == torch.int64 and index.shape == (kv.shape[0] * kv.shape[2],), "index int64 [B * S]")
+    _check(k_cache.dim() == 4 and k_cache.shape[2:] == (1, _MLA_ROPE) and ckv_cache.shape[2:] == (1, _MLA_RANK)
+           and k_cache.shape[:2] == ckv_cache.shape[:2], "caches (blocks, block_size, 1, 64 / 512)")
+    _check(k_cache.is_contiguous() and ckv_cache.is_contiguous(), "non-contiguous caches")
+    x = kv.float().reshape(-1, _MLA_RANK + _MLA_ROPE)
+    latent = x[:, :_MLA_RANK]
+    y = latent * torch.rsqrt(latent.pow(2).mean(dim=-1, keepdim=True) + epsilon) * gamma.float()
+    k_embed = _deinterleave_rope(x[:, _MLA_RANK:], cos.float().reshape(-1, _MLA_ROPE),
+                                 sin.float().reshape(-1, _MLA_ROPE))
+    ckv_cache.view(-1, _MLA_RANK)[index] = y.to(ckv_cache.dtype)
+    k_cache.view(-1, _MLA_ROPE)[index] = k_embed.to(k_cache.dtype)
+    if not is_output_kv:
+        return k_cache, ckv_cache, kv.new_empty(0), kv.new_empty(0)
+    return (k_cache, ckv_cache, k_embed.to(kv.dtype).view(*kv.shape[:3], _MLA_ROPE),
+            y.to(kv.dtype).view(*kv.shape[:3], _MLA_RANK))
+
+
+def _interleave_rope(x, cos, sin):
+    """x [B, N, S, 64], cos and sin [B, 1, S or 1, 64]: the interleaved RoPE."""
+    _check(x.dim() == 4 and x.shape[3] == _MLA_ROPE and x.is_contiguous(), "x [B, N, S, 64], contiguous")
+    _check(cos.dim() == 4 and cos.shape[1] == 1 and cos.shape[3] == _MLA_ROPE and cos.shape == sin.shape,
+           "cos, sin [B, 1, S, 64]")
+    return _deinterleave_rope(x.float(), cos.float(), sin.float()).to(x.dtype)
+
+
+_ATTENTION_V2_DEFAULTS = {argument.name: argument.default_value
+                          for argument in torch._C.parse_schema(
+                              MLA_SCHEMAS["npu_fused_infer_attention_score_v2"]).arguments
+                          if argument.kwarg_only}
+_ATTENTION_V2_MODELLED = ("query_rope", "key_rope", "actual_seq_kvlen", "block_table", "num_query_heads",
+                          "num_key_value_heads", "softmax_scale", "input_layout", "block_size")
+
+
+def _fused_infer_attention_score_v2(query, key, value, **kwargs):
+    """MLA's absorbed paged decode: query [B, N, 1, 512] (BNSD, one new token
+    per sequence), query_rope [B, N, 1, 64]; key = value, the latent cache
+    (blocks, 1, block_size, 512), key_rope (blocks, 1, block_size, 64), read
+    through block_table [B, max_blocks] int32 up to actual_seq_kvlen (each
+    context length); scores q . k + q_rope . k_rope. input_layout "BNSD_NBSD"
+    (out [N, B, 1, 512]) or "BNSD" (out [B, N, 1, 512]). Returns (out, [1] of 0)."""
+    unmodelled = {name: v for name, v in kwargs.items() if name not in _ATTENTION_V2_MODELLED}
+    _check(all(v == _ATTENTION_V2_DEFAULTS[name] for name, v in unmodelled.items()),
+           f"arguments the reference does not model: {sorted(unmodelled)}")
+    a = {name: kwargs.get(name, _ATTENTION_V2_DEFAULTS[name]) for name in _ATTENTION_V2_MODELLED}
+    q_rope, k_rope, table, block_size = a["query_rope"], a["key_rope"], a["block_table"], a["block_size"]
+    _check(a["input_layout"] in ("BNSD", "BNSD_NBSD"), "the reference models BNSD / BNSD_NBSD")
+    _check(q_rope is not None and k_rope is not None and table is not None, "MLA: query_rope, key_rope, block_table")
+    num_seqs, num_heads = query.shape[:2]
+    _check(query.dim() == 4 and query.shape[2] == 1 and query.shape[3] == _MLA_RANK, "query [B, N, 1, 512]")
+    _check(num_heads == a["num_query_heads"] and num_heads in (1, 2, 4, 8, 16, 32, 64, 128),
+           "num_query_heads: the query's N, a power of two up to 128")
+    _check(q_rope.shape == (*query.shape[:3], _MLA_ROPE) and query.is_contiguous() and q_rope.is_contiguous(),
+           "query_rope [B, N, 1, 64]; contiguous queries")
+    _check(a["num_key_value_heads"] == 1 and key.dim() == 4 and key.shape[1:] == (1, block_size, _MLA_RANK)
+           and value.shape == key.shape and k_rope.shape == (key.shape[0], 1, block_size, _MLA_ROPE),
+           "key / value (blocks, 1, block_size, 512), key_rope (blocks, 1, block_size, 64)")
+    _check(block_size % 16 == 0 and block_size <= 1024, "MLA pages blocks of multiples of 16 up to 1024")
+    _check(table.dtype == torch.int32 and table.shape[0] == num_seqs, "block_table int32 [B, max_blocks]")
+    kv_lens = list(a["actual_seq_kvlen"])
+    _check(len(kv_lens) == num_seqs, "actual_seq_kvlen: one context length per sequence")
+    out = torch.empty(num_seqs, num_heads, 1, _MLA_RANK, dtype=query.dtype)
+    for b, kv_len in enumerate(kv_lens):
+        _check(0 < kv_len <= table.shape[1] * block_size, "KV past the block table")
+        blocks = table[b, : -(-kv_len // block_size)].long()
+        k = key[blocks].reshape(-1, _MLA_RANK)[:kv_len].float()
+        v = value[blocks].reshape(-1, _MLA_RANK)[:kv_len].float()
+        kr = k_rope[blocks].reshape(-1, _MLA_ROPE)[:kv_len].float()
+        scores = (query[b, :, 0].float() @ k.T + q_rope[b, :, 0].float() @ kr.T) * a["softmax_scale"]
+        out[b, :, 0] = (scores.softmax(dim=-1) @ v).to(query.dtype)
+    return (out.permute(1, 0, 2, 3).contiguous() if a["input_layout"] == "BNSD_NBSD" else out), torch.zeros(1)
+
+
+for _name, _impl in [("npu_kv_rmsnorm_rope_cache", _kv_rmsnorm_rope_cache),
+                     ("npu_interleave_rope", _interleave_rope),
+                     ("npu_fused_infer_attention_score_v2", _fused_infer_attention_score_v2)]:
+    _LIBRARY.define(MLA_SCHEMAS[_name])
+    _LIBRARY.impl(_name, _impl, "CPU")
+
+npu_kv_rmsnorm_rope_cache = torch.ops.npu.npu_kv_rmsnorm_rope_cache
+npu_interleave_rope = torch.ops.npu.npu_interleave_rope
+npu_fused_infer_attention_score_v2 = torch.ops.npu.npu_fused_infer_attention_score_v2
+
+
 def _host_memory(device=None) -> tuple[int, int]:
     from services.worker.platforms.base import host_available_memory
 
@@ -203,3 +343,11 @@ npu = types.SimpleNamespace(
     mem_get_info=_host_memory,
 )
 torch.npu = npu
+
+# Mixture-of-experts: the router and vllm-ascend's dispatch chain (_moe_ops.py, registered on import).
+from torch_npu import _moe_ops  # noqa: E402, F401
+
+npu_moe_gating_top_k = torch.ops.npu.npu_moe_gating_top_k
+npu_moe_init_routing_v2 = torch.ops.npu.npu_moe_init_routing_v2
+npu_grouped_matmul = torch.ops.npu.npu_grouped_matmul
+npu_moe_token_unpermute = torch.ops.npu.npu_moe_token_unpermute

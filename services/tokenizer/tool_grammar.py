@@ -124,6 +124,9 @@ def _chatglm3_call(w: _Writer, name: str, schema: dict[str, Any]) -> str:
     return f'{_lit(name + chr(10) + "```python" + chr(10) + "tool_call(")} {arguments} {_lit(")" + chr(10) + "```")}'
 
 
+# Spaces and newlines a forced call may follow `</think>` by (models write "\n\n").
+MAX_BLANKS_AFTER_THINK = 4
+
 # format -> (one call, what goes between calls (None: one call per reply), what wraps all of them)
 _FORMATS = {
     "hermes": (_hermes_call, '"\\n"', None),
@@ -149,8 +152,10 @@ def tool_choice_lark(tools: list[chat_pb2.Tool], tool_format: str, formats: Mode
     if wrap is not None:
         calls = f"{w.marker(wrap[0])} {calls} {w.marker(wrap[1])}"
     if reasoning:
-        # The think block comes first and stays free; the calls follow `</think>`.
-        calls = f"think /[ \\n]*/ {calls}"
+        # The think block comes first and stays free; the calls follow `</think>`
+        # after a little whitespace: bounded, or a model could put the call off
+        # with blank lines until max_tokens.
+        calls = f"think /[ \\n]{{0,{MAX_BLANKS_AFTER_THINK}}}/ {calls}"
         end_id = formats.marker_ids.get(THINK_END)
         if end_id in formats.special_marker_ids:  # not text: the free text cannot swallow it
             rules += [f"think: THINK_TEXT <[{end_id}]>", "THINK_TEXT: /(?s:.*)/"]

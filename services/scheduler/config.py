@@ -40,7 +40,8 @@ class SchedulerConfig(InternalTlsSettings):
                               alias="modelName")
     speculative_method: str = setting(
         "off", "speculative decoding without a draft model: off (for the whole server), prompt_lookup (n-grams "
-        "of the prompt and output) or suffix (most frequent continuations in this and past outputs)")
+        "of the prompt and output), suffix (most frequent continuations in this and past outputs) or mtp (the "
+        "checkpoint's multi-token prediction module, on the worker; one token a step)")
     speculative_max_draft_tokens: int = setting(8, "most tokens drafted for a sequence in one step")
     speculative_draft_token_budget: int = setting(
         24, "drafted tokens one step may carry, less one per running sequence (0 drafts from that many on)")

@@ -74,6 +74,7 @@ class SampledToken:
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] = ()
     num_accepted_draft_tokens: int = 0  # drafted tokens kept before token_id
+    draft_token_ids: tuple[int, ...] = ()  # the worker's guess at the tokens after token_id (MTP)
 
 
 @dataclass(frozen=True)

@@ -228,6 +228,7 @@ class BatchPolicy(BeamSteps):
                     searches.append(seq.beam)
                 continue
             seq.output_token_ids.append(token.token_id)
+            seq.worker_draft, seq.worker_draft_at = token.draft_token_ids, seq.num_tokens
             if token.logprob is not None:
                 seq.cumulative_logprob += token.logprob
             self._check_finished(seq, token.token_id)
@@ -261,6 +262,7 @@ class BatchPolicy(BeamSteps):
         queue_wait_us = max(0, started_us - seq.last_event_us) // share
         latency_ms = max(0, finished_us - seq.last_event_us) / 1000.0 / share
         seq.last_event_us = finished_us
+        seq.worker_draft, seq.worker_draft_at = token.draft_token_ids, seq.num_tokens
         self._check_finished(seq, new_tokens[-1])
         return [(seq, TokenEvent(t, plan.batch_size, queue_wait_us, latency_ms)) for t in new_tokens]
 

@@ -140,6 +140,10 @@ class Sequence:
     traceparent: str = ""
     # A vision-language model's images, in prompt order; sent to the worker with the sampling.
     images: tuple[ImageSpan, ...] = ()
+    # The worker's guess at the tokens after the sequence's tokens (MTP drafting),
+    # valid while the sequence has `worker_draft_at` tokens.
+    worker_draft: tuple[int, ...] = ()
+    worker_draft_at: int = 0
 
     def __post_init__(self) -> None:
         self.last_event_us = self.last_event_us or self.arrival_us

@@ -31,6 +31,10 @@ sequence:
   minus the decoding sequences (each drafted row costs compute once the batch
   is wide), down to none.
 
+With `mtp` the draft is the worker's: a checkpoint's multi-token prediction
+module guesses the token after each one the worker samples (services/worker/mtp.py),
+and the sequence's next step carries that guess, verified as any draft is.
+
 Off for a sequence (it decodes as without speculation): logprobs asked
 (top_logprobs, best_of ranking, beam search), penalties, grammars, and a
 thinking budget still open — each needs per-token state the worker would
@@ -48,7 +52,7 @@ from services.scheduler.drafting import (
 )
 from services.scheduler.sequence import Sequence
 
-METHODS = ("off", "prompt_lookup", "suffix")
+METHODS = ("off", "prompt_lookup", "suffix", "mtp")
 # Tokens accepted per wait (EMA) below which a sequence stops drafting for a while.
 # 0.25 drafted more at 1 stream (random prompts 1.27x -> 1.49-1.58x the tokens/s
 # without speculation) but cost 6-11 % at 8 streams, where each wait splits the
@@ -75,7 +79,7 @@ class SpeculationConfig:
 class DraftState:
     """One sequence's drafting history."""
 
-    index: LatestOccurrence | SuffixCounts
+    index: LatestOccurrence | SuffixCounts | None  # None: the worker drafts (mtp)
     draft_len: int
     gain: float = 1.0  # EMA of tokens accepted per wait
     paused_until: int = 0  # no drafts before the sequence has this many output tokens
@@ -110,8 +114,11 @@ class Speculator:
         """Whether `seq` should wait for its step in flight and draft from its result:
         drafting may pay, and its tokens so far have a guess (whose first token is a
         guess at the one in flight) — else it plans ahead as without speculation."""
-        if self.draft_budget(num_running) <= 0 or not self._may_draft(seq) or not self._guess(seq, 1):
+        # With mtp the worker drafts from the token in flight: it will have a guess.
+        if self.draft_budget(num_running) <= 0 or not self._may_draft(seq) or (
+                self.config.method != "mtp" and not self._guess(seq, 1)):
             return False
+        self._state(seq)
         state = self._states[seq.seq_id]
         self.num_waits += not state.has_waited
         state.has_waited = True
@@ -146,13 +153,20 @@ class Speculator:
         state.has_waited = False
         return draft
 
-    def _guess(self, seq: Sequence, max_len: int) -> list[int]:
+    def _state(self, seq: Sequence) -> DraftState:
         state = self._states.get(seq.seq_id)
         if state is None:
-            index = SuffixCounts() if self._global is not None else LatestOccurrence()
+            method = self.config.method
+            index = None if method == "mtp" else SuffixCounts() if method == "suffix" else LatestOccurrence()
             state = self._states[seq.seq_id] = DraftState(index, self.config.max_draft_tokens)
-        state.index.extend(seq.all_token_ids)
+        return state
+
+    def _guess(self, seq: Sequence, max_len: int) -> list[int]:
+        state = self._state(seq)
         max_len = min(max_len, state.draft_len)
+        if state.index is None:  # the worker's guess, if it was made after the sequence's last token
+            return seq.worker_draft[:max_len] if seq.worker_draft_at == seq.num_tokens else []
+        state.index.extend(seq.all_token_ids)
         if isinstance(state.index, SuffixCounts):
             assert self._global is not None
             return most_frequent_path(state.index.tokens, [state.index.own, self._global.counts], max_len)

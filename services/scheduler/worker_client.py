@@ -171,6 +171,7 @@ def sampled_tokens(reply: worker_pb2.StepResponse) -> dict[int, SampledToken]:
             logprob=t.logprob if t.HasField("logprob") else None,
             top_logprobs=tuple((a.token_id, a.logprob) for a in t.top_logprobs),
             num_accepted_draft_tokens=t.num_accepted_draft_tokens,
+            draft_token_ids=tuple(t.draft_token_ids),
         )
         for t in reply.tokens
     }

@@ -46,6 +46,9 @@ class WorkerConfig(InternalTlsSettings):
     )
     drain_timeout_s: float = drain_timeout_setting()
     health_port: int = health_port_setting()
+    speculative_method: str = setting(
+        "off", "the scheduler's setting of the same name; mtp: load the checkpoint's multi-token prediction "
+        "module and return its draft with each sampled token")
 
     def __post_init__(self) -> None:
         require(0 <= self.port <= 65535, f"port must be in [0, 65535], got {self.port}")

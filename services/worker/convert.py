@@ -96,7 +96,8 @@ def step_to_proto(step_id: int, result: StepResult) -> worker_pb2.StepResponse:
     response = worker_pb2.StepResponse(step_id=step_id, execute_time_us=result.execute_time_us)
     for token in result.tokens:
         entry = response.tokens.add(seq_id=token.seq_id, token_id=token.token_id,
-                                    num_accepted_draft_tokens=token.num_accepted_draft_tokens)
+                                    num_accepted_draft_tokens=token.num_accepted_draft_tokens,
+                                    draft_token_ids=token.draft_token_ids)
         if token.logprob is not None:
             entry.logprob = token.logprob
         for alternative in token.top_logprobs:

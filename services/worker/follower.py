@@ -27,6 +27,7 @@ def build_runner(config: WorkerConfig, platform: Platform, group: TensorParallel
         max_batch_size=config.max_batch_size,
         max_seq_len=config.max_seq_len,
         tensor_parallel=group,
+        mtp=config.speculative_method == "mtp",
     )
 
 

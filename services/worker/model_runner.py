@@ -34,6 +34,7 @@ from services.worker.guided import GrammarError, GuidedDecoding
 from services.worker.kv_cache import KVCachePool, KVCacheSpec
 from services.worker.model_loading import (
     Decoder, auto_kv_budget, generation_config, hf_decoder, load_hf_model, return_freed_memory)
+from services.worker.mtp import MtpDrafter, check_mtp
 from services.worker.parallel import TensorParallel
 from services.worker.penalties import apply_penalties
 from services.worker.sequence import (
@@ -119,9 +120,11 @@ class ModelRunner(StepAdmission):
         max_batch_size: int,
         max_seq_len: int = 2560,
         tensor_parallel: TensorParallel | None = None,
+        mtp: bool = False,
     ):
         """`kv_cache_bytes` 0: an automatic budget (auto_kv_budget); per rank of
-        `tensor_parallel`, the group this runner is one rank of (parallel.py)."""
+        `tensor_parallel`, the group this runner is one rank of (parallel.py).
+        `mtp`: draft with the checkpoint's multi-token prediction module (mtp.py)."""
         self.model_dir = model_dir
         self.backend = backend
         self.dtype_name = dtype
@@ -140,16 +143,24 @@ class ModelRunner(StepAdmission):
             shard = tensor_parallel.head_shard(num_heads, num_kv_heads)
             num_heads, num_kv_heads = shard.num_heads, shard.num_kv_heads
         self.tensor_parallel = tensor_parallel
+        # The pool's layout, before any weight is read: a model whose cache cannot be
+        # laid out (an MLA family other than DeepSeek-V3's) is refused now, by name.
+        spec = KVCacheSpec.from_model_config(self.config, block_size, dtype_t)
+        if spec.latent is None:  # per rank of a group: its KV heads' share of the pool
+            spec = dataclasses.replace(spec, num_kv_heads=num_kv_heads)
+        if mtp:
+            check_mtp(text_config, lean, tensor_parallel)
+            spec = dataclasses.replace(spec, num_layers=spec.num_layers + 1)  # the module's own KV
         with torch.inference_mode():
             if has_vision_tower(self.config):
                 self.decoder: Decoder | VisionLanguageDecoder = VisionLanguageDecoder(
                     self.config, model_dir, dtype_t, backend)
             elif lean and Checkpoint.available(model_dir):
                 self.decoder = LeanDecoder(self.config, Checkpoint(model_dir, dtype_t, backend.device), backend,
-                                           tensor_parallel)
+                                           tensor_parallel, spec, mtp)
             elif lean:  # a checkpoint without safetensors files
                 model = load_hf_model(model_dir, dtype_t, backend.device)
-                self.decoder = LeanDecoder(self.config, model.state_dict(), backend, tensor_parallel)
+                self.decoder = LeanDecoder(self.config, model.state_dict(), backend, tensor_parallel, spec, mtp)
                 del model  # the lean decoder holds every weight it needs; the HF modules go
             elif tensor_parallel is not None:  # the whole model on the host, this rank's shard on its device
                 model = load_hf_model(model_dir, dtype_t, torch.device("cpu"))
@@ -162,9 +173,6 @@ class ModelRunner(StepAdmission):
         self.max_position_embeddings: int = getattr(text_config, "max_position_embeddings", None) or 0
         return_freed_memory()  # conversion copies, before the pool takes its share
         with torch.inference_mode():
-            # Per rank of a group: its KV heads' share of the pool.
-            spec = dataclasses.replace(KVCacheSpec.from_model_config(self.config, block_size, dtype_t),
-                                       num_kv_heads=num_kv_heads)
             if kv_cache_bytes == 0:
                 if self.max_position_embeddings:
                     max_seq_len = min(max_seq_len, self.max_position_embeddings)
@@ -173,8 +181,10 @@ class ModelRunner(StepAdmission):
             if tensor_parallel is not None:  # one block id means the same tokens on every rank
                 num_blocks = tensor_parallel.min_over_ranks(num_blocks)
             self.kv_pool = KVCachePool(spec, num_blocks, backend.device)
-        self.attention_kernel = backend.paged_attention(dtype_t, num_heads, num_kv_heads, spec.head_dim,
-                                                        block_size)
+        # MLA reads the latent pool itself (mla.py): no per-head attention kernel.
+        self.attention_kernel = None if spec.latent is not None else backend.paged_attention(
+            dtype_t, num_heads, num_kv_heads, spec.head_dim, block_size)
+        self.mtp = MtpDrafter(self.decoder, self.kv_pool, backend.device) if mtp else None
         self.block_size = block_size
         self.sequences: dict[int, SequenceState] = {}
         self._guided: GuidedDecoding | None = None  # built on the first grammar request
@@ -211,6 +221,8 @@ class ModelRunner(StepAdmission):
     def release(self, seq_id: int) -> None:
         """Forget a sequence's sampling state (unknown ids: no-op); its blocks are the scheduler's."""
         self.sequences.pop(seq_id, None)
+        if self.mtp is not None:
+            self.mtp.release(seq_id)
 
     @torch.inference_mode()
     def step(self, inputs: list[SequenceInput], release_seq_ids: Sequence[int] = (),
@@ -234,10 +246,12 @@ class ModelRunner(StepAdmission):
         self.kv_pool.copy_blocks(list(block_copies))
         tokens: list[SampledToken] = []
         if inputs:
-            logits = self._forward_admitted(inputs)
+            logits, hidden = self._forward_admitted(inputs)
             sampling_inputs = [s for s in inputs if s.sample]
             if sampling_inputs:
                 tokens = self._sample(logits, sampling_inputs)
+            if self.mtp is not None:
+                tokens = self._with_drafts(inputs, hidden, tokens)
         self.backend.synchronize()
         elapsed = time.perf_counter() - started
         if elapsed >= _TRIM_AFTER_SECONDS:
@@ -264,7 +278,7 @@ class ModelRunner(StepAdmission):
             inputs, refused = self._start(inputs, refused)
         if refused:
             raise invalid_argument(refused[0].message)
-        return self._forward_admitted(inputs)
+        return self._forward_admitted(inputs)[0]
 
     def _admit(self, inputs: list[SequenceInput]) -> tuple[list[SequenceInput], list[Refusal]]:
         """Check the step and set up its new sequences (compiling their grammars):
@@ -293,8 +307,9 @@ class ModelRunner(StepAdmission):
         self.sequences.update(states)
         return inputs, refused
 
-    def _forward_admitted(self, inputs: list[SequenceInput]) -> torch.Tensor:
-        logits = self._run_model(inputs)
+    def _forward_admitted(self, inputs: list[SequenceInput]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The step's logits, and with MTP every row's final hidden state."""
+        logits, hidden = self._run_model(inputs)
         for s in inputs:
             state = self.sequences[s.seq_id]
             state.last_sampled = None  # fed now, or never: only the very next step may feed it
@@ -304,7 +319,7 @@ class ModelRunner(StepAdmission):
                 self._replay_grammar(state, s)
             # Drafts count once kept (_sample adds them).
             state.num_cached_tokens = s.num_computed_tokens + len(s.token_ids) - s.num_draft_tokens
-        return logits
+        return logits, hidden
 
     def _new_state(self, s: SequenceInput) -> SequenceState:
         sampling = s.sampling
@@ -347,7 +362,7 @@ class ModelRunner(StepAdmission):
                 self.guided.advance(state.matcher, token)
                 state.num_grammar_tokens += 1
 
-    def _run_model(self, inputs: list[SequenceInput]) -> torch.Tensor:
+    def _run_model(self, inputs: list[SequenceInput]) -> tuple[torch.Tensor, torch.Tensor | None]:
         device = self.backend.device
         step = attention.build_paged_step(
             self.kv_pool,
@@ -369,8 +384,18 @@ class ModelRunner(StepAdmission):
         logit_rows = torch.tensor(last_rows, dtype=torch.long, device=device)
         if isinstance(self.decoder, VisionLanguageDecoder):
             images = [(self.sequences[s.seq_id].images, s.num_computed_tokens, len(s.token_ids)) for s in inputs]
-            return self.decoder(input_ids, step, logit_rows, images)
-        return self.decoder(input_ids, step, logit_rows)
+            return self.decoder(input_ids, step, logit_rows, images), None
+        if self.mtp is not None:
+            return self.decoder(input_ids, step, logit_rows, keep_hidden=True)
+        return self.decoder(input_ids, step, logit_rows), None
+
+    def _with_drafts(self, inputs: list[SequenceInput], hidden: torch.Tensor,
+                     tokens: list[SampledToken]) -> list[SampledToken]:
+        """The step's samples, each of a sequence that may draft with the MTP module's draft."""
+        drafting = {s.seq_id for s in inputs if speculative.can_draft(self.sequences[s.seq_id].sampling)}
+        drafts = self.mtp.draft(inputs, hidden, tokens, drafting)
+        return [dataclasses.replace(t, draft_token_ids=(drafts[t.seq_id],)) if t.seq_id in drafts else t
+                for t in tokens]
 
     def _record_fed_tokens(self, state: SequenceState, s: SequenceInput) -> None:
         # A fed token at a position the worker already sampled is that sample coming back;

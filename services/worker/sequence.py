@@ -128,6 +128,7 @@ class SampledToken:
     logprob: float | None = None  # set when top_logprobs >= 0
     top_logprobs: list[TokenLogprob] = field(default_factory=list)  # best first
     num_accepted_draft_tokens: int = 0  # drafts kept before token_id
+    draft_token_ids: tuple[int, ...] = ()  # the MTP module's guess at the tokens after token_id (mtp.py)
 
 
 @dataclass(frozen=True)

@@ -34,8 +34,13 @@ def validate_draft(s: SequenceInput, sampling: SamplingParams) -> None:
         return
     if s.num_draft_tokens < 0 or s.num_draft_tokens >= len(s.token_ids) or not s.sample or s.feed_last_sampled:
         raise SequenceRefused("a draft needs sampling, explicit token ids and at least one token before it")
-    if sampling.top_logprobs >= 0 or sampling.has_penalties or sampling.grammar is not None:
+    if not can_draft(sampling):
         raise SequenceRefused("no draft with logprobs, penalties or a grammar")
+
+
+def can_draft(sampling: SamplingParams) -> bool:
+    """Whether a draft can be verified for a sequence of these settings."""
+    return sampling.top_logprobs < 0 and not sampling.has_penalties and sampling.grammar is None
 
 
 def num_rows(s: SequenceInput) -> int:

@@ -16,6 +16,7 @@ import torch
 from services.worker.model_runner import ModelRunner
 from services.worker.platforms.cpu import CpuPlatform
 from services.worker.sequence import SamplingParams
+from tests.moe_models import FAMILIES, reference_model
 from tests.unit.worker.block_tables import BlockTables
 from tests.unit.worker.paged_oracle import assert_matches_sdpa
 
@@ -154,3 +155,19 @@ def test_bundled_model_gives_the_cpu_platforms_logits(npu_platform, model_dir):
     clear = top2[:, 0] - top2[:, 1] > 0.5
     assert clear.sum() >= 3  # the prompts are arbitrary token runs: most choices are close
     assert torch.equal(on_npu.argmax(dim=-1)[clear], exact.argmax(dim=-1)[clear])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_moe_families_give_the_cpu_platforms_logits(npu_platform, family, tmp_path):
+    """Whole tiny MoE models (DeepSeek-V3's MLA and group-limited router,
+    Qwen3-MoE, Qwen2-MoE's gated shared expert) through the NPU platform's
+    routing, grouped-matmul and unpermute ops (the fake's reference ones), in
+    float32: the CPU platform's logits, within float32 rounding."""
+    reference_model(family, 256).save_pretrained(tmp_path)
+    prompts = [list(range(10, 41)), list(range(100, 107))]
+
+    def logits(platform) -> torch.Tensor:
+        runner = ModelRunner(tmp_path, platform, "float32", block_size=4, kv_cache_bytes=2**20, max_batch_size=4)
+        return torch.cat(_logits(runner, prompts, [[5, 6], [7, 8], [9, 10]]))
+
+    torch.testing.assert_close(logits(npu_platform), logits(CpuPlatform(CPU)), atol=2e-4, rtol=2e-4)

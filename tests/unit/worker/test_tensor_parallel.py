@@ -18,13 +18,14 @@ from transformers import AutoModelForCausalLM, GemmaConfig, GPT2Config, LlamaCon
 from services.common.config import load_config
 from services.common.errors import ServiceError
 from services.worker.config import WorkerConfig
-from services.worker.decoder import LeanDecoder
+from services.worker.decoder import LeanDecoder, MoeMlp
 from services.worker.follower import build_runner
 from services.worker.guided import GrammarSpec
 from services.worker.model_runner import ModelRunner
 from services.worker.parallel import TensorParallel, balanced_range
 from services.worker.platforms import select_platform
 from services.worker.sequence import SamplingParams
+from tests.moe_models import FAMILIES, reference_model
 from tests.unit.worker.block_tables import BlockTables
 
 # Odd: the vocabulary splits into two unequal halves, the second padded.
@@ -133,6 +134,24 @@ def test_two_ranks_of_tiny_models_give_one_ranks_logprobs(name: str, tmp_path: P
     with _group(model_path) as group_runner:
         assert isinstance(group_runner.decoder, LeanDecoder) == name.startswith("qwen3")
         assert group_runner.kv_pool.spec.num_kv_heads == 1
+        together = _logprobs(group_runner, sequences, VOCAB)
+    _assert_same_logprobs(together, _logprobs(alone, sequences, VOCAB), VOCAB)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_two_ranks_of_moe_models_split_experts_and_give_one_ranks_logprobs(family: str, tmp_path: Path):
+    """Expert parallelism: each rank runs half the routed experts (the shared
+    ones on rank 0) for every token, one all-reduce sums them; attention by
+    heads (DeepSeek's latent cached whole on both ranks)."""
+    reference_model(family, VOCAB).save_pretrained(tmp_path)
+    sequences = torch.randint(0, VOCAB, (3, 37), generator=torch.Generator().manual_seed(1)).tolist()
+    alone = ModelRunner(tmp_path, select_platform("cpu"), "float32", block_size=4, kv_cache_bytes=16 * 2**20,
+                        max_batch_size=8)
+    with _group(tmp_path) as group_runner:
+        assert isinstance(group_runner.decoder, LeanDecoder)
+        moe = [layer.mlp.moe for layer in group_runner.decoder.layers if isinstance(layer.mlp, MoeMlp)]
+        assert moe and all(m.experts.num_local < m.experts.num_experts for m in moe)
+        assert group_runner.kv_pool.spec == alone.kv_pool.spec or family != "deepseek_v3"
         together = _logprobs(group_runner, sequences, VOCAB)
     _assert_same_logprobs(together, _logprobs(alone, sequences, VOCAB), VOCAB)
 

@@ -29,7 +29,8 @@ from transformers import DeepseekV3Config
 
 from services.worker.attention import build_paged_step
 from services.worker.kv_cache import KVCachePool, KVCacheSpec
-from services.worker.mla import MlaAttention, MlaRotary
+from services.worker.mla import MlaAttention
+from services.worker.rotary import Rotary
 from services.worker.platforms import select_platform, torch_dtype
 
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     config = layer_config(args)
     generator = torch.Generator().manual_seed(0)
     weights = random_weights(config, dtype, device, generator)
-    rotary = MlaRotary(config)
+    rotary = Rotary(config, config.qk_rope_head_dim)
     forms = {"absorbed": MlaAttention(config, weights, 0, platform, rotary, absorbed_decode=True),
              "expanded": MlaAttention(config, weights, 0, platform, rotary, absorbed_decode=False)}
     batches = [int(b) for b in args.batches.split(",")]

@@ -37,58 +37,13 @@ import torch.nn.functional as F
 
 from services.worker.attention import PagedStep, paged_attention
 from services.worker.kv_cache import MLA_MODEL_TYPES, KVCacheSpec
-from services.worker.mla import MlaAttention, MlaRotary
+from services.worker.mla import MlaAttention
 from services.worker.moe import MoE, ExpertShard
 from services.worker.parallel import TensorParallel, balanced_range
 from services.worker.platforms import LayerOps, Linear, Platform
+from services.worker.rotary import STATIC_ROPE_TYPES, Rotary, StepRope, rope_parameters
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "deepseek_v3")
-# RoPE variants with fixed frequencies (transformers' names).
-STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
-
-
-def _rope_parameters(config) -> dict:
-    return getattr(config, "rope_parameters", None) or {"rope_type": "default", "rope_theta": config.rope_theta}
-
-
-class Rotary:
-    """cos and sin of the rotary embedding at given positions, as transformers'
-    Llama-family rotary modules compute them for the static RoPE variants."""
-
-    def __init__(self, config, head_dim: int):
-        parameters = _rope_parameters(config)
-        rope_type = parameters.get("rope_type", "default")
-        if rope_type == "default":
-            exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-            self.inv_freq = 1.0 / (parameters["rope_theta"] ** exponents)
-            self.scaling = 1.0
-        else:
-            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-            self.inv_freq, self.scaling = ROPE_INIT_FUNCTIONS[rope_type](config)
-
-    def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] -> cos, sin [T, head_dim]."""
-        freqs = positions[:, None].float() * self.inv_freq.to(positions.device)
-        angles = torch.cat((freqs, freqs), dim=-1)
-        return (angles.cos() * self.scaling).to(dtype), (angles.sin() * self.scaling).to(dtype)
-
-
-class StepRope:
-    """cos and sin of one step's positions, computed once per rotary table and
-    shared by every layer that uses it."""
-
-    def __init__(self, positions: torch.Tensor, dtype: torch.dtype):
-        self.positions, self.dtype = positions, dtype
-        self._tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def __call__(self, rotary: Rotary) -> tuple[torch.Tensor, torch.Tensor]:
-        table = self._tables.get(id(rotary))
-        if table is None:
-            table = self._tables[id(rotary)] = rotary(self.positions, self.dtype)
-        return table
-
-
 class GqaAttention:
     """The Llama family's attention: Q/K/V in one matmul (biases where the
     checkpoint has them), Qwen3's per-head q/k norms, rotary, paged attention.
@@ -189,7 +144,7 @@ class LeanDecoder:
             getattr(config, "model_type", None) in SUPPORTED_MODEL_TYPES
             and getattr(config, "hidden_act", None) == "silu"
             and not getattr(config, "mlp_bias", False)
-            and _rope_parameters(config).get("rope_type", "default") in STATIC_ROPE_TYPES
+            and rope_parameters(config).get("rope_type", "default") in STATIC_ROPE_TYPES
         )
 
     def __init__(self, config, weights: Mapping[str, torch.Tensor], backend: Platform,
@@ -228,7 +183,7 @@ class LeanDecoder:
         self.ops = ops = backend.layer_ops(self.embed.dtype, config.hidden_size, intermediate_size,
                                            config.qk_rope_head_dim if mla else head_dim)
         if mla:
-            rotary = MlaRotary(config)
+            rotary = Rotary(config, config.qk_rope_head_dim)
             spec = kv_spec or KVCacheSpec.from_model_config(config, 16, self.embed.dtype)
             mla_ops = backend.mla_ops(spec, num_heads)
         else:

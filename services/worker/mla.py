@@ -33,7 +33,7 @@ write and MLA decode on NPU (platforms/npu.py).
 
 Use: a pool from KVCacheSpec.from_model_config (the latent layout), steps from
 build_paged_step without an attention kernel (MLA reads the SDPA layout), one
-MlaRotary and one Platform.mla_ops(spec, heads) shared by every layer, and
+Rotary over qk_rope_head_dim and one Platform.mla_ops(spec, heads) shared by every layer, and
 o_proj applied by the caller to the heads' output, as for decoder.GqaAttention.
 """
 from __future__ import annotations
@@ -49,51 +49,22 @@ from services.worker.attention import DecodeBatch, PagedStep, PrefillChunk, _gat
 from services.worker.kv_cache import MLA_MODEL_TYPES
 from services.worker.parallel import HeadShard
 from services.worker.platforms import Linear, Platform, TorchLayerOps
+from services.worker.rotary import Rotary, rope_parameters
 
-# RoPE variants whose frequencies do not change with the sequence (DeepSeek-V3/R1: yarn).
-STATIC_ROPE_TYPES = ("default", "yarn")
-
-
-def _rope_parameters(config) -> dict:
-    return getattr(config, "rope_parameters", None) or {"rope_type": "default", "rope_theta": config.rope_theta}
+# RoPE variants of DeepSeek-V3/R1 checkpoints.
+MLA_ROPE_TYPES = ("default", "yarn")
 
 
 def softmax_scale(config) -> float:
     """transformers' yarn_apply_mscale(rope_parameters, qk_head_dim ** -0.5): yarn's
     mscale_all_dim enters the softmax scale squared."""
     scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
-    parameters = _rope_parameters(config)
+    parameters = rope_parameters(config)
     mscale_all_dim = parameters.get("mscale_all_dim", 0)
     if parameters.get("rope_type", "default") != "default" and mscale_all_dim and parameters["factor"] > 1:
         mscale = 0.1 * mscale_all_dim * math.log(parameters["factor"]) + 1.0
         scale *= mscale * mscale
     return scale
-
-
-class MlaRotary:
-    """cos and sin over qk_rope_head_dim at given positions, as transformers'
-    DeepseekV3RotaryEmbedding computes them (yarn's attention scaling included)."""
-
-    def __init__(self, config):
-        parameters = _rope_parameters(config)
-        rope_type = parameters.get("rope_type", "default")
-        if rope_type not in STATIC_ROPE_TYPES:
-            raise ValueError(f"MLA rotary: rope_type {rope_type!r} is not supported ({', '.join(STATIC_ROPE_TYPES)})")
-        if rope_type == "default":
-            dim = config.qk_rope_head_dim
-            self.inv_freq = 1.0 / (parameters["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-            self.scaling = 1.0
-        else:
-            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-            # DeepseekV3Config's head_dim is qk_rope_head_dim: yarn sizes itself from it.
-            self.inv_freq, self.scaling = ROPE_INIT_FUNCTIONS[rope_type](config)
-
-    def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] -> cos, sin [T, rope_dim] (transformers' cat(freqs, freqs) form)."""
-        freqs = positions[:, None].float() * self.inv_freq.to(positions.device)
-        angles = torch.cat((freqs, freqs), dim=-1)
-        return (angles.cos() * self.scaling).to(dtype), (angles.sin() * self.scaling).to(dtype)
 
 
 def rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -168,11 +139,11 @@ class MlaAttention:
     rows that get logits only)."""
 
     def __init__(self, config, weights: Mapping[str, torch.Tensor], layer: int, platform: Platform,
-                 rotary: MlaRotary | None = None, ops: MlaOps | None = None,
+                 rotary: Rotary | None = None, ops: MlaOps | None = None,
                  head_shard: HeadShard | None = None, row_parallel: Callable[[Linear], Linear] | None = None,
                  absorbed_decode: bool = True):
         """`weights`: the checkpoint's tensors by name (model.layers.{layer}.self_attn.*),
-        in the dtype and on the device to run. `rotary`: the model's MlaRotary,
+        in the dtype and on the device to run. `rotary`: the model's Rotary over qk_rope_head_dim,
         one for every layer (made here without one). `ops`: Platform.mla_ops of
         the pool, one for every layer (None: TorchMlaOps). `head_shard`: this
         rank's query heads under tensor parallelism (first_head, num_heads; its
@@ -185,7 +156,10 @@ class MlaAttention:
         if getattr(config, "model_type", None) not in MLA_MODEL_TYPES:
             raise ValueError(f"MLA of {getattr(config, 'model_type', None)!r} models is not supported")
         self.layer = layer
-        self.rotary = MlaRotary(config) if rotary is None else rotary
+        rope_type = rope_parameters(config).get("rope_type", "default")
+        if rope_type not in MLA_ROPE_TYPES:
+            raise ValueError(f"MLA: rope_type {rope_type!r} is not supported ({', '.join(MLA_ROPE_TYPES)})")
+        self.rotary = Rotary(config, config.qk_rope_head_dim) if rotary is None else rotary
         self.ops: MlaOps = TorchMlaOps() if ops is None else ops
         self.nope_dim, self.rope_dim, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
         self.kv_lora_rank: int = config.kv_lora_rank
@@ -236,7 +210,7 @@ class MlaAttention:
         self.o_proj = o_proj if row_parallel is None else row_parallel(o_proj)
 
     def __call__(self, h: torch.Tensor, step: PagedStep,
-                 rope: Callable[[MlaRotary], tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
+                 rope: Callable[[Rotary], tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
         """h [T, hidden_size], packed as `step` lays rows out (build_paged_step
         without a kernel, over a latent pool) -> the heads' output [T, heads * v_head_dim],
         before o_proj. `rope`: the step's cos and sin of a rotary (decoder.StepRope,

@@ -31,3 +31,25 @@ class BlockTables:
 
     def release(self, seq_id: int) -> None:
         self._free.extend(reversed(self._tables.pop(seq_id, [])))
+
+
+# Two sequences: prefills packed together, a chunk over each one's cached blocks,
+# decodes in either order, then one sequence alone (positions [a, b) per step).
+TWO_SEQUENCE_SCHEDULE = [[(1, 0, 10), (2, 0, 12)], [(1, 10, 19), (2, 12, 13)], [(2, 13, 14), (1, 19, 20)],
+                         [(1, 20, 21), (2, 14, 15)], [(1, 21, 23)]]
+
+
+def assert_schedule_matches(runner: ModelRunner, expected: dict, tokens: dict[int, list[int]],
+                            schedule=TWO_SEQUENCE_SCHEDULE) -> None:
+    """Run `schedule` (per step: (seq, a, b) feeds tokens[seq][a:b]) and hold each
+    row's logits to `expected[seq][b - 1]` (a reference's logits over the whole sequence)."""
+    import torch
+
+    greedy = SamplingParams(temperature=0.0)
+    tables = BlockTables(runner)
+    for step in schedule:
+        logits = runner.forward([tables.feed(s, tokens[s][a:b], a, True, greedy if a == 0 else None)
+                                 for s, a, b in step])
+        for row, (s, _, b) in enumerate(step):
+            torch.testing.assert_close(logits[row], expected[s][b - 1], atol=1e-4, rtol=1e-4)
+

@@ -17,10 +17,10 @@ from transformers import DeepseekV2Config, DeepseekV3Config, DeepseekV3ForCausal
 from services.worker.attention import PagedStep, build_paged_step
 from services.worker.checkpoint import Checkpoint
 from services.worker.kv_cache import KVCachePool, KVCacheSpec
-from services.worker.decoder import StepRope
-from services.worker.mla import MlaAttention, MlaRotary, softmax_scale
+from services.worker.mla import MlaAttention, softmax_scale
 from services.worker.parallel import HeadShard
 from services.worker.platforms.cpu import CpuPlatform
+from services.worker.rotary import Rotary, StepRope
 
 CPU = torch.device("cpu")
 FAKE_NPU = Path(__file__).resolve().parents[2] / "fake_npu"
@@ -209,7 +209,7 @@ def test_softmax_scale_and_rotary_are_transformers():
     assert softmax_scale(config) == pytest.approx(yarn_apply_mscale(config.rope_parameters, 24 ** -0.5), rel=1e-12)
     assert softmax_scale(config) != pytest.approx(24 ** -0.5)
     positions = torch.arange(300)
-    ours = MlaRotary(config)(positions, torch.float32)
+    ours = Rotary(config, config.qk_rope_head_dim)(positions, torch.float32)
     theirs = DeepseekV3RotaryEmbedding(config)(torch.zeros(1), positions[None])
     torch.testing.assert_close(ours, tuple(t[0] for t in theirs), rtol=0, atol=0)
 

@@ -6,7 +6,6 @@ two sequences, prefills in chunks over cached blocks and decodes; greedy
 tokens equal its generate()."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +15,7 @@ from services.worker.model_runner import ModelRunner
 from services.worker.platforms import select_platform
 from services.worker.sequence import SamplingParams, SequenceInput
 from tests.moe_models import FAMILIES, reference_model
-from tests.unit.worker.block_tables import BlockTables
+from tests.unit.worker.block_tables import BlockTables, assert_schedule_matches
 
 VOCAB = 256
 
@@ -39,15 +38,7 @@ def test_every_step_matches_transformers(family):
               2: torch.randint(0, VOCAB, (15,), generator=generator).tolist()}
     with torch.inference_mode():
         expected = {s: reference(torch.tensor([t])).logits[0] for s, t in tokens.items()}
-    greedy = SamplingParams(temperature=0.0)
-    tables = BlockTables(runner)
-    schedule = [[(1, 0, 10), (2, 0, 12)], [(1, 10, 19), (2, 12, 13)], [(2, 13, 14), (1, 19, 20)],
-                [(1, 20, 21), (2, 14, 15)], [(1, 21, 23)]]
-    for step in schedule:
-        logits = runner.forward([tables.feed(s, tokens[s][a:b], a, True, greedy if a == 0 else None)
-                                 for s, a, b in step])
-        for row, (s, _, b) in enumerate(step):
-            torch.testing.assert_close(logits[row], expected[s][b - 1], atol=1e-4, rtol=1e-4)
+    assert_schedule_matches(runner, expected, tokens)
     for seq_id in tokens:
         runner.release(seq_id)
 

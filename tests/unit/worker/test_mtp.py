@@ -40,8 +40,14 @@ def reference_drafts(reference, directory: Path, tokens: list[int]) -> list[int]
     tensors = load_file(directory / "model.safetensors")
     prefix = f"model.layers.{index}."
     layer = DeepseekV3DecoderLayer(config, layer_idx=index).eval()
-    layer.load_state_dict({k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix) and not any(
-        k[len(prefix):].startswith(n) for n in ("enorm", "hnorm", "eh_proj", "shared_head"))}, strict=False)
+    state = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix) and not any(
+        k[len(prefix):].startswith(n) for n in ("enorm", "hnorm", "eh_proj", "shared_head"))}
+    # The checkpoint holds experts one by one; transformers' module stacks them.
+    experts = range(config.n_routed_experts)
+    gate_up = [torch.cat([state.pop(f"mlp.experts.{e}.{n}_proj.weight") for n in ("gate", "up")]) for e in experts]
+    state["mlp.experts.gate_up_proj"] = torch.stack(gate_up)
+    state["mlp.experts.down_proj"] = torch.stack([state.pop(f"mlp.experts.{e}.down_proj.weight") for e in experts])
+    layer.load_state_dict(state, strict=True)
     captured = {}
     hook = reference.model.layers[-1].register_forward_hook(lambda _m, _a, out: captured.setdefault("h", out))
     ids = torch.tensor([tokens])

@@ -15,8 +15,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralC
 from services.worker.platforms import select_platform
 from services.worker.decoder import LeanDecoder
 from services.worker.model_runner import ModelRunner
-from services.worker.sequence import SamplingParams
-from tests.unit.worker.block_tables import BlockTables
+from tests.unit.worker.block_tables import assert_schedule_matches
 
 VOCAB = 256
 SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
@@ -67,13 +66,5 @@ def test_tiny_model_paged_matches_hf(name: str, checkpoint_format: str, tmp_path
     tokens = {1: torch.randint(0, VOCAB, (23,)).tolist(), 2: torch.randint(0, VOCAB, (15,)).tolist()}
     with torch.inference_mode():
         expected = {s: reference(torch.tensor([t])).logits[0] for s, t in tokens.items()}
-    greedy = SamplingParams(temperature=0.0)
-    tables = BlockTables(runner)
     # seq 1: prefill 10, then 9 more on top of the cache (crosses the window), then decodes.
-    schedule = [[(1, 0, 10), (2, 0, 12)], [(1, 10, 19), (2, 12, 13)], [(2, 13, 14), (1, 19, 20)],
-                [(1, 20, 21), (2, 14, 15)], [(1, 21, 23)]]
-    for step in schedule:
-        logits = runner.forward([tables.feed(s, tokens[s][a:b], a, True, greedy if a == 0 else None)
-                                 for s, a, b in step])
-        for row, (s, _, b) in enumerate(step):
-            torch.testing.assert_close(logits[row], expected[s][b - 1], atol=1e-4, rtol=1e-4)
+    assert_schedule_matches(runner, expected, tokens)

@@ -63,7 +63,8 @@ def _levels(streams: int) -> str:
 
 def draw_peers(fig: Figure, fs: dict) -> str:
     rows = records(fs)
-    peer, ours, engine = (fs["servers"][k] for k in ("peer", "ours", "engine"))
+    peer, ours, engine = (fs["servers"].get(k) for k in ("peer", "ours", "engine"))  # engine: optional
+    sides = [(server, color) for server, color in ((peer, PEER), (ours, OURS), (engine, ENGINE)) if server]
     rounds = list(dict.fromkeys(r["round"] for r in rows))
     levels = sorted({r["streams"] for r in rows})
     by = {(r["round"], r["server"], r["streams"]): r for r in rows}
@@ -79,8 +80,8 @@ def draw_peers(fig: Figure, fs: dict) -> str:
     width = 0.27
     for ax, (key, p90_key, ylabel, log) in zip(fig.subplots(1, 3), panels):
         top = 0.0
-        for i, (server, color) in enumerate(((peer, PEER), (ours, OURS), (engine, ENGINE))):
-            xs = [j + (i - 1) * width for j in range(len(levels))]
+        for i, (server, color) in enumerate(sides):
+            xs = [j + (i - (len(sides) - 1) / 2) * width for j in range(len(levels))]
             spread = [values(server, lv, key) for lv in levels]
             medians = [statistics.median(v) for v in spread]
             err = [[m - min(v) for m, v in zip(medians, spread)], [max(v) - m for m, v in zip(medians, spread)]]
@@ -95,7 +96,7 @@ def draw_peers(fig: Figure, fs: dict) -> str:
                 for x, lv, m in zip(xs, levels, medians):
                     bar_top = max(m, *(values(ours, lv, p90_key) if p90_key else [m]))
                     _label(ax, x, bar_top, _times(ratio(ours, peer, lv, key)), fontweight="bold", color=OURS)
-        if key == "tok_s":
+        if key == "tok_s" and engine:
             last = levels[-1]
             _label(ax, len(levels) - 1 + width, max(values(engine, last, key)),
                    f"chain ÷ engine\n{_times(ratio(ours, engine, last, key))}", color=GREY, fontsize=8)
@@ -112,8 +113,9 @@ def draw_peers(fig: Figure, fs: dict) -> str:
     handles, labels = [handles[i] for i in order], [labels[i] for i in order]
     fig.legend(handles, labels, loc="upper center", ncol=4, bbox_to_anchor=(0.5, 0.93), frameon=False)
     whiskers = f"whiskers: range over the {len(rounds)} rounds; " if len(rounds) > 1 else "one round; "
+    chain = f" (chain: {ours} ÷ {engine})" if engine else ""
     return (f"bars: medians over rounds ({', '.join(rounds)}); {whiskers}×: {ours} ÷ {peer}, median of the "
-            f"per-round ratios (chain: {ours} ÷ {engine})")
+            f"per-round ratios{chain}")
 
 
 # --- one stream against other servers, as a ratio to a baseline ---------------------------------
@@ -209,6 +211,38 @@ def draw_kernel_ab(fig: Figure, fs: dict) -> str:
     ax.legend(fontsize=9)
     ax.grid(alpha=0.3)
     return "dashed: before; solid: now; ×: now ÷ before, where it moved 5 % or more"
+
+
+# --- a layer against its roofline floors (bench.moe_layer) --------------------------------------
+
+def draw_floors(fig: Figure, fs: dict) -> str:
+    rows = records(fs)
+    ax = fig.subplots()
+    sides = (("ours", OURS, fs["labels"]["ours"]), ("reference", PEER, fs["labels"]["reference"]))
+    width = 0.27
+    for i, (key, color, label) in enumerate(sides):
+        xs = [j + (i - 1) * width for j in range(len(rows))]
+        ax.bar(xs, [r[f"{key}_ms"] for r in rows], width, color=color, label=label)
+        ax.scatter(xs, [r[f"{key}_p90_ms"] for r in rows], marker="_", s=160, color="black", zorder=3,
+                   label="p90" if i == 0 else None)
+        if key == "ours":
+            for x, r in zip(xs, rows):
+                _label(ax, x, r["ours_p90_ms"], f"×{r['ours_ms'] / max(r['bw_floor_ms'], r['flop_floor_ms']):.2f}",
+                       fontweight="bold", color=OURS)
+    floors = [max(r["bw_floor_ms"], r["flop_floor_ms"]) for r in rows]
+    ax.bar([j + width for j in range(len(rows))], floors, width, color=GREY, label="the larger floor")
+    for j, r in enumerate(rows):
+        bound = "bandwidth" if r["bw_floor_ms"] >= r["flop_floor_ms"] else "compute"
+        _label(ax, j + width, floors[j], bound, fontsize=8, color=GREY)
+    ax.set_xticks(range(len(rows)), [f"{r['tokens']} token{'s' if r['tokens'] > 1 else ''}\n"
+                                     f"({r['experts']} experts touched)" for r in rows])
+    ax.set_ylabel("ms per layer, median over rounds (log)")
+    ax.set_yscale("log")
+    ax.set_ylim(top=max(r["reference_p90_ms"] for r in rows) * 3)
+    ax.legend(loc="upper left", fontsize=9)
+    ax.grid(axis="y", alpha=0.3)
+    return (f"×: {fs['labels']['ours']} ÷ the larger floor (bytes touched over the measured read bandwidth, "
+            f"or FLOPs over our own dense kernel's measured rate)")
 
 
 # --- model steps of two or more sides (bench.step_ab) -------------------------------------------
@@ -318,7 +352,7 @@ def draw_timeline(fig: Figure, fs: dict) -> str:
 # returns the line under it that says how to read it.
 DRAWERS: dict[str, Callable[[Figure, dict], str]] = {
     "peers": draw_peers, "endpoints": draw_endpoints, "paired_ratios": draw_paired_ratios,
-    "kernel_ab": draw_kernel_ab, "step_sides": draw_step_sides, "ab_rounds": draw_ab_rounds,
+    "kernel_ab": draw_kernel_ab, "floors": draw_floors, "step_sides": draw_step_sides, "ab_rounds": draw_ab_rounds,
     "cpu_bound": draw_cpu_bound, "timeline": draw_timeline,
 }
 

@@ -34,20 +34,23 @@ def moe_chain(request, tmp_path_factory):
         yield family, model_dir, chain, stub, logs
 
 
+def assert_greedy_tokens(model_dir, stub, prompt: list[int], n: int, request_id: str) -> None:
+    """The scheduler's greedy tokens for `prompt` are transformers' eager float32 generate()'s."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+    with torch.inference_mode():
+        expected = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n,
+                                  do_sample=False)[0, len(prompt):].tolist()
+    request = scheduler_pb2.GenerateRequest(
+        request_id=request_id, prompt_token_ids=prompt, sampling=scheduler_pb2.SamplingParams(temperature=0.0),
+        stopping=scheduler_pb2.StoppingCriteria(max_tokens=n, ignore_eos=True))
+    produced = [t.token_id for reply in stub.Generate(request, timeout=120) for t in reply.tokens]
+    assert produced == expected
+
+
 def test_the_chain_serves_transformers_greedy_tokens(moe_chain):
     family, model_dir, _, stub, logs = moe_chain
     assert "lean path" in (logs / "worker0.log").read_text()
-    prompt = list(range(300, 331))
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
-    with torch.inference_mode():
-        expected = model.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16,
-                                  do_sample=False)[0, len(prompt):].tolist()
-    request = scheduler_pb2.GenerateRequest(
-        request_id=f"{family}-greedy", prompt_token_ids=prompt,
-        sampling=scheduler_pb2.SamplingParams(temperature=0.0),
-        stopping=scheduler_pb2.StoppingCriteria(max_tokens=16, ignore_eos=True))
-    produced = [t.token_id for reply in stub.Generate(request, timeout=120) for t in reply.tokens]
-    assert produced == expected
+    assert_greedy_tokens(model_dir, stub, list(range(300, 331)), 16, f"{family}-greedy")
 
 
 def test_the_familys_formats_are_detected_and_a_forced_call_is_parsed(moe_chain):
@@ -81,16 +84,7 @@ def mtp_chain(tmp_path_factory):
 
 def test_mtp_drafts_ride_the_chain_and_change_no_token(mtp_chain):
     model_dir, chain, stub = mtp_chain
-    prompt = list(range(500, 537))
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
-    with torch.inference_mode():
-        expected = model.generate(torch.tensor([prompt]), max_new_tokens=24, min_new_tokens=24,
-                                  do_sample=False)[0, len(prompt):].tolist()
-    request = scheduler_pb2.GenerateRequest(
-        request_id="mtp-greedy", prompt_token_ids=prompt, sampling=scheduler_pb2.SamplingParams(temperature=0.0),
-        stopping=scheduler_pb2.StoppingCriteria(max_tokens=24, ignore_eos=True))
-    produced = [t.token_id for reply in stub.Generate(request, timeout=120) for t in reply.tokens]
-    assert produced == expected
+    assert_greedy_tokens(model_dir, stub, list(range(500, 537)), 24, "mtp-greedy")
     drafts = total(scrape(chain.metrics_urls["scheduler"])[1], "vllm:spec_decode_num_draft_tokens_total")
     # The worker's drafts reached the scheduler and were verified: steps carried them
     # until the random module's misses paused drafting (speculation.py).

@@ -13,6 +13,7 @@ tokens, none over experts without rows."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -143,15 +144,11 @@ class TorchExperts(SortedExperts):
         self.gate_up, self.down = gate_up, down
 
     def run_sorted(self, x_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        y = torch.zeros_like(x_sorted)
-        start = 0
-        for expert, count in enumerate(counts.tolist()):
-            if count:
-                rows = x_sorted[start : start + count]
-                gate, up = F.linear(rows, self.gate_up[expert]).chunk(2, dim=-1)
-                y[start : start + count] = F.linear(F.silu(gate) * up, self.down[expert])
-                start += count
-        return y
+        return each_expert(x_sorted, counts, self._expert)
+
+    def _expert(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(rows, self.gate_up[expert]).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down[expert])
 
 
 class LinearExperts(SortedExperts):
@@ -164,14 +161,20 @@ class LinearExperts(SortedExperts):
         self.gate_up, self.down, self.silu_mul = gate_up, down, silu_mul
 
     def run_sorted(self, x_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        y = torch.zeros_like(x_sorted)
-        start = 0
-        for expert, count in enumerate(counts.tolist()):
-            if count:
-                rows = x_sorted[start : start + count]
-                y[start : start + count] = self.down[expert](self.silu_mul(self.gate_up[expert](rows)))
-                start += count
-        return y
+        return each_expert(x_sorted, counts, lambda e, rows: self.down[e](self.silu_mul(self.gate_up[e](rows))))
+
+
+def each_expert(x_sorted: torch.Tensor, counts: torch.Tensor,
+                run: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """run(expert, its rows) over each local expert with rows, in sorted order
+    (SortedExperts.run_sorted's contract); rows past sum(counts) stay zero."""
+    y = torch.zeros_like(x_sorted)
+    start = 0
+    for expert, count in enumerate(counts.tolist()):
+        if count:
+            y[start : start + count] = run(expert, x_sorted[start : start + count])
+            start += count
+    return y
 
 
 def combine(y_sorted: torch.Tensor, weights: torch.Tensor, rows: SortedRows, num_tokens: int) -> torch.Tensor:

@@ -58,7 +58,7 @@ class MtpDrafter:
         lay them out; `tokens`: the step's samples."""
         sampled = {t.seq_id: t for t in tokens}
         rows, next_ids, slots_new, slots_done, tables, last_rows, drafted = [], [], [], [], [], [], []
-        pending: list[torch.Tensor] = []  # waiting hidden states, gathered after the step's rows
+        pending: list[torch.Tensor] = []  # waiting hidden states, rows after the step's own
         start = 0
         for s in inputs:
             token = sampled.get(s.seq_id)
@@ -70,10 +70,10 @@ class MtpDrafter:
             last = c + kept - 1 if token is not None else c + kept - 2
             pair_rows: list[int] = []
             for q in range(first, last + 1):
-                if q == c - 1:  # the position the last chunk left waiting
+                if q == c - 1:  # the position the last chunk left waiting: a row after the step's own
                     assert state.waiting_hidden is not None
+                    pair_rows.append(hidden.shape[0] + len(pending))
                     pending.append(state.waiting_hidden)
-                    pair_rows.append(-len(pending))
                 else:
                     pair_rows.append(start + q - c)
                 next_ids.append(fed[q + 1 - c] if q + 1 < c + kept else token.token_id)
@@ -90,10 +90,8 @@ class MtpDrafter:
             start += len(fed)
         if not rows:
             return {}
-        table = torch.cat([hidden, torch.stack(pending[::-1])]) if pending else hidden
-        # Pending rows are numbered from the end (-1 the first one): past the step's own rows.
-        index = torch.tensor([r if r >= 0 else hidden.shape[0] + len(pending) + r for r in rows],
-                             dtype=torch.long, device=self.device)
+        table = torch.cat([hidden, torch.stack(pending)]) if pending else hidden
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
         step = attention.build_paged_step(self.pool, slots_new, slots_done, tables, self.device)
         logits = self.decoder.draft_logits(table.index_select(0, index),
                                            torch.tensor(next_ids, dtype=torch.long, device=self.device), step,

@@ -220,8 +220,8 @@ class LeanDecoder:
     def __call__(self, input_ids: torch.Tensor, step: PagedStep, logit_rows: torch.Tensor,
                  keep_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """input_ids [T] packed as `step` lays them out; logits [len(logit_rows), vocab].
-        `keep_hidden`: also every row's final hidden state [T, hidden] (before the
-        final norm: what the MTP module reads)."""
+        `keep_hidden`: also every row's final hidden state [T, hidden], after the
+        final norm (what the MTP module reads, as vLLM and SGLang feed it)."""
         x = self._embed(input_ids)  # [T, hidden]
         rope = StepRope(step.positions, x.dtype)
         last_layer = len(self.layers) - 1
@@ -230,8 +230,10 @@ class LeanDecoder:
             # the rows that get logits read the rest: a prefill chunk skips its
             # o_proj and MLP (unless every row's hidden state is wanted).
             x = self._layer(layer, x, step, rope, logit_rows if index == last_layer and not keep_hidden else None)
-        logits = self._logits(self.lm_head, x if not keep_hidden else x.index_select(0, logit_rows), self.final_norm)
-        return (logits, x) if keep_hidden else logits
+        x = self.ops.rms_norm(x, self.final_norm, self.eps)
+        if keep_hidden:
+            return self._logits(x.index_select(0, logit_rows)), x
+        return self._logits(x)
 
     def draft_logits(self, hidden: torch.Tensor, next_ids: torch.Tensor, step: PagedStep,
                      logit_rows: torch.Tensor) -> torch.Tensor:
@@ -243,7 +245,7 @@ class LeanDecoder:
         e = ops.rms_norm(self._embed(next_ids), mtp.enorm, self.eps)
         x = mtp.eh_proj(torch.cat([e, ops.rms_norm(hidden, mtp.hnorm, self.eps)], dim=-1))
         x = self._layer(mtp.layer, x, step, StepRope(step.positions, x.dtype), logit_rows)
-        return self._logits(self.lm_head, x, mtp.norm)
+        return self._logits(self.ops.rms_norm(x, mtp.norm, self.eps))
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp is None:
@@ -260,6 +262,7 @@ class LeanDecoder:
         x = layer.attention.o_proj(o, residual=x)
         return layer.mlp(ops.rms_norm(x, layer.post_attention_norm, self.eps), x)
 
-    def _logits(self, head: Linear, x: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
-        logits = head(self.ops.rms_norm(x, norm, self.eps))
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The head over normed hidden states."""
+        logits = self.lm_head(x)
         return logits if self.tp is None else self.tp.gather_vocab(logits, self.vocab_size)

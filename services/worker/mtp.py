@@ -2,7 +2,8 @@
 scheduler's speculative decoding (`STORMSERVE_SPECULATIVE_METHOD=mtp`).
 
 The module predicts the token after next: at position q it reads the model's
-final hidden state h_q and the embedding of the next token x_{q+1}, runs one
+final hidden state h_q (after the final norm, as vLLM and SGLang feed the
+published checkpoints' module) and the embedding of the next token x_{q+1}, runs one
 decoder layer of its own (with its own KV, in the pool's layer after the
 model's, at the same slots as the sequence's), and its head gives the logits of
 x_{q+2}. So once a step has sampled a sequence's next token y, the pair (h of

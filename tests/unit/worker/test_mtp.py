@@ -25,11 +25,25 @@ VOCAB = 256
 def model(tmp_path_factory):
     directory: Path = tmp_path_factory.mktemp("deepseek-mtp")
     reference = reference_model("deepseek_v3", VOCAB)
+    with torch.no_grad():  # not ones: the drafter must read the hidden states after the final norm
+        norm = reference.model.norm.weight
+        norm.copy_(1 + 0.2 * torch.randn(norm.shape, generator=torch.Generator().manual_seed(1)))
     reference.save_pretrained(directory)
     _add_mtp_layer(directory, reference.config, seed=0)
     runner = ModelRunner(directory, select_platform("cpu"), "float32", block_size=4, kv_cache_bytes=2**20,
                          max_batch_size=8, mtp=True)
     return reference, directory, runner
+
+
+def final_hidden(reference, tokens: list[int]) -> torch.Tensor:
+    """The model's final hidden states [n, hidden] after its final norm: what
+    the MTP module reads (as vLLM and SGLang feed it)."""
+    captured = {}
+    hook = reference.model.norm.register_forward_hook(lambda _m, _a, out: captured.setdefault("h", out))
+    with torch.inference_mode():
+        reference(torch.tensor([tokens]))
+    hook.remove()
+    return captured["h"][0]
 
 
 def reference_drafts(reference, directory: Path, tokens: list[int]) -> list[int]:
@@ -48,13 +62,9 @@ def reference_drafts(reference, directory: Path, tokens: list[int]) -> list[int]
     state["mlp.experts.gate_up_proj"] = torch.stack(gate_up)
     state["mlp.experts.down_proj"] = torch.stack([state.pop(f"mlp.experts.{e}.down_proj.weight") for e in experts])
     layer.load_state_dict(state, strict=True)
-    captured = {}
-    hook = reference.model.layers[-1].register_forward_hook(lambda _m, _a, out: captured.setdefault("h", out))
     ids = torch.tensor([tokens])
+    h = final_hidden(reference, tokens)[:-1]  # [n - 1, hidden]: positions whose next token is known
     with torch.inference_mode():
-        reference(ids)
-        hook.remove()
-        h = captured["h"][0][:-1]  # [n - 1, hidden]: positions whose next token is known
 
         def rms(x, weight):
             return torch.nn.functional.rms_norm(x, x.shape[-1:], weight, eps=config.rms_norm_eps)
@@ -78,6 +88,10 @@ def test_drafts_follow_the_mtp_module_and_decoding_with_them_is_lossless(model):
                                       do_sample=False)[0, len(prompt):].tolist()
     greedy = SamplingParams(temperature=0.0)
     table = list(range(8))
+    hidden_seen = []  # the hidden states each step hands the drafter
+    run_drafter = runner.mtp.draft
+    runner.mtp.draft = lambda inputs, hidden, *rest: run_drafter(
+        inputs, hidden_seen.append(hidden.clone()) or hidden, *rest)
     # The prompt in two chunks: the first samples nothing and leaves its last position waiting.
     assert runner.step([SequenceInput(1, prompt[:6], 0, False, greedy, table)]).tokens == []
     token = runner.step([SequenceInput(1, prompt[6:], 6, True, None, table)]).tokens[0]
@@ -93,9 +107,12 @@ def test_drafts_follow_the_mtp_module_and_decoding_with_them_is_lossless(model):
             accepted += 1
         outputs.append(token.token_id)
     runner.release(1)
+    del runner.mtp.draft
     assert outputs[:len(expected)] == expected  # lossless: the model's own greedy tokens
-    # Each draft is the module's guess at its position, given the tokens before it.
     sequence = prompt + outputs
+    # The drafter reads the final-normed hidden states (the first chunk's six positions).
+    torch.testing.assert_close(hidden_seen[0], final_hidden(reference, sequence)[:6], atol=1e-4, rtol=1e-4)
+    # Each draft is the module's guess at its position, given the tokens before it.
     guesses = reference_drafts(reference, directory, sequence)
     for position, draft in drafts_made:
         assert draft == guesses[position - 2], position

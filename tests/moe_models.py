@@ -106,6 +106,19 @@ def _add_mtp_layer(directory: Path, config, seed: int) -> None:
     (directory / "config.json").write_text(json.dumps({**saved, "num_nextn_predict_layers": 1}, indent=2))
 
 
+def stack_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Tensors named as checkpoints hold experts (one by one) renamed and stacked as
+    transformers' modules hold them: experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I]."""
+    state = dict(state)
+    prefixes = sorted({k[: k.index(".experts.") + len(".experts.")] for k in state if ".experts.0." in k})
+    for prefix in prefixes:
+        count = len({k[len(prefix):].split(".")[0] for k in state if k.startswith(prefix)})
+        state[prefix + "gate_up_proj"] = torch.stack([torch.cat([state.pop(f"{prefix}{e}.{n}_proj.weight")
+                                                                 for n in ("gate", "up")]) for e in range(count)])
+        state[prefix + "down_proj"] = torch.stack([state.pop(f"{prefix}{e}.down_proj.weight") for e in range(count)])
+    return state
+
+
 def reference_model(family: str, vocab_size: int, seed: int = 0, **overrides):
     """A tiny `family` model in transformers' own eager float32 modules (the reference)."""
     config = family_config(family, vocab_size, **overrides)

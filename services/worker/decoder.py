@@ -40,6 +40,7 @@ from services.worker.kv_cache import MLA_MODEL_TYPES, KVCacheSpec
 from services.worker.mla import MlaAttention
 from services.worker.moe import MoE, ExpertShard
 from services.worker.parallel import TensorParallel, balanced_range
+from services.worker.quantization import linear_weight
 from services.worker.platforms import LayerOps, Linear, Platform
 from services.worker.rotary import STATIC_ROPE_TYPES, Rotary, StepRope, rope_parameters
 
@@ -59,13 +60,14 @@ class GqaAttention:
         bias = None
         if projections[0] + ".bias" in weights:
             bias = torch.cat([weights[p + ".bias"] for p in projections])
-        self.qkv = backend.linear(torch.cat([weights[p + ".weight"] for p in projections]), bias)
+        self.qkv = backend.linear(linear_weight(weights, projections), bias)
         # Qwen3: RMSNorm weights per head, [heads + kv_heads, head_dim].
         self.qk_norm = None
         if prefix + "q_norm.weight" in weights:
             self.qk_norm = torch.cat([weights[prefix + "q_norm.weight"].expand(num_heads, -1),
                                       weights[prefix + "k_norm.weight"].expand(num_kv_heads, -1)])
-        self.o_proj = row_parallel(backend.linear(weights[prefix + "o_proj.weight"], weights.get(prefix + "o_proj.bias")))
+        self.o_proj = row_parallel(backend.linear(linear_weight(weights, [prefix + "o_proj"]),
+                                                  weights.get(prefix + "o_proj.bias")))
         self.sliding_window = None
         layer_types = getattr(config, "layer_types", None)
         if config.model_type == "mistral" or (layer_types and layer_types[index] == "sliding_attention"):
@@ -91,9 +93,8 @@ class DenseMlp:
 
     def __init__(self, weights: Mapping[str, torch.Tensor], prefix: str, backend: Platform, row_parallel,
                  ops: LayerOps):
-        self.gate_up = backend.linear(torch.cat([weights[prefix + "gate_proj.weight"],
-                                                 weights[prefix + "up_proj.weight"]]), None)
-        self.down = row_parallel(backend.linear(weights[prefix + "down_proj.weight"], None))
+        self.gate_up = backend.linear(linear_weight(weights, [prefix + "gate_proj", prefix + "up_proj"]), None)
+        self.down = row_parallel(backend.linear(linear_weight(weights, [prefix + "down_proj"]), None))
         self.silu_mul = ops.silu_mul
 
     def __call__(self, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:

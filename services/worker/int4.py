@@ -20,7 +20,7 @@ LEVELS = 15  # codes 0..15
 # spreads up to 0.5.
 _TOLERANCE = 0.1
 # The kernel's tiling needs the output features in multiples of this.
-_N_MULTIPLE = 16
+N_MULTIPLE = 16
 
 
 def four_bit_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -28,7 +28,7 @@ def four_bit_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, to
     weight = codes * scale + low per group, or None when `weight` [out, in] is
     not exactly 4-bit in groups of 32 along `in`."""
     out_features, in_features = weight.shape
-    if in_features % GROUP_SIZE or out_features % _N_MULTIPLE:
+    if in_features % GROUP_SIZE or out_features % N_MULTIPLE:
         return None
     groups = weight.float().view(out_features, in_features // GROUP_SIZE, GROUP_SIZE)
     low = groups.amin(-1, keepdim=True)

@@ -25,11 +25,11 @@ from transformers import AutoConfig, AutoTokenizer
 
 from services.common.errors import invalid_argument
 from services.common.media_parts import has_vision_tower
-from services.worker import attention, sampler, speculative
+from services.worker import attention, quantization, sampler, speculative
 from services.worker.admission import StepAdmission
 from services.worker.platforms import Platform, torch_dtype
 from services.worker.checkpoint import Checkpoint
-from services.worker.decoder import LeanDecoder
+from services.worker.decoder import SUPPORTED_MODEL_TYPES, LeanDecoder
 from services.worker.guided import GrammarError, GuidedDecoding
 from services.worker.kv_cache import KVCachePool, KVCacheSpec
 from services.worker.model_loading import (
@@ -135,6 +135,14 @@ class ModelRunner(StepAdmission):
         text_config = self.config.get_text_config()
         architecture = (getattr(self.config, "architectures", None) or [self.config.model_type])[0]
         lean = LeanDecoder.supports(self.config)
+        # A quantized checkpoint is read by quantization.py on the lean path only:
+        # transformers would cast msModelSlim's integers to floats without a word.
+        quantized = quantization.describe(model_dir)
+        if quantized is not None and (not lean or not Checkpoint.available(model_dir)
+                                      or has_vision_tower(self.config)):
+            raise quantization.UnsupportedQuantization(
+                f"{architecture} as a {quantized} checkpoint is not served: quantized checkpoints are read for "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)} models in safetensors files")
         num_heads = text_config.num_attention_heads
         num_kv_heads = getattr(text_config, "num_key_value_heads", None) or num_heads
         if tensor_parallel is not None:  # this rank's heads (ValueError with fewer KV heads than ranks)
@@ -189,8 +197,8 @@ class ModelRunner(StepAdmission):
         self.sequences: dict[int, SequenceState] = {}
         self._guided: GuidedDecoding | None = None  # built on the first grammar request
         log.info(
-            "loaded %s (%s, %s, %s path, attention on %s) in %.2f s",
-            model_dir.name, architecture, dtype,
+            "loaded %s (%s, %s%s, %s path, attention on %s) in %.2f s",
+            model_dir.name, architecture, dtype, "" if quantized is None else f", {quantized} weights",
             "lean" if isinstance(self.decoder, LeanDecoder) else "HF modules",
             "the native kernel" if self.attention_kernel else "SDPA", time.monotonic() - started,
         )

@@ -24,6 +24,7 @@ from typing import ClassVar, Protocol
 import torch
 import torch.nn.functional as F
 
+from services.worker.quantization import QuantizedWeight, as_float
 from services.worker.platforms.moe_ops import MoeExperts, MoeRouting, TorchExperts, select_experts
 
 DTYPES: dict[str, torch.dtype] = {
@@ -115,9 +116,11 @@ class Platform:
         """`auto` is bfloat16 on accelerators; any other name is returned as it is."""
         return "bfloat16" if name == "auto" else name
 
-    def linear(self, weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
-        """y = x @ weight.T + bias, prepared once for this device."""
-        return plain_linear(weight, bias)
+    def linear(self, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None) -> Linear:
+        """y = x @ weight.T + bias, prepared once for this device. A quantized
+        weight (quantization.py) runs dequantized where the platform has no
+        kernel for it."""
+        return plain_linear(as_float(weight, self.device), bias)
 
     def layer_ops(self, dtype: torch.dtype, hidden_size: int, intermediate_size: int, head_dim: int) -> LayerOps:
         """This device's RMSNorm, rotary and SiLU-times-up for `dtype` and these sizes."""

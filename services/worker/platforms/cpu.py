@@ -12,6 +12,7 @@ import torch
 from services.worker import cpu_kernels, int4
 from services.worker.attention import StepSequences, write_kv_by_slot
 from services.worker.platforms.base import Linear, Platform, TorchLayerOps, host_available_memory, plain_linear
+from services.worker.quantization import FourBitWeight, QuantizedWeight, as_float
 from services.worker.platforms.moe_ops import ANY_HEAD_DIM, LinearExperts, MoeExperts, SortedExperts, SortedRows
 
 # oneDNN and torch's ideep layer each keep every matmul primitive they build, one
@@ -91,7 +92,7 @@ class CpuPlatform(Platform):
             return "bfloat16"
         return "float32"
 
-    def linear(self, weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+    def linear(self, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None) -> Linear:
         """A bfloat16 weight runs on the bfloat16 linear kernel (cpu_kernels.py)
         where the CPU has AVX512_BF16 and no AMX, or AVX2 and no AVX-512; otherwise
         the weight is prepacked for oneDNN when it is float32, or bfloat16 on a CPU
@@ -102,9 +103,13 @@ class CpuPlatform(Platform):
         kernel for steps of a few rows (_Q4_MAX_ROWS*, _INT4_MAX_ROWS): linear.c's
         where it is built (AVX512_BF16, or AVX2 without AVX-512, where torch's is 10
         times slower than a float32 matmul), else torch's int4 kernel on a CPU that
-        computes bfloat16 natively.
+        computes bfloat16 natively. A 4-bit checkpoint's weight (quantization.FourBitWeight)
+        brings its codes; other quantized weights run dequantized.
         """
-        weight = weight.detach()
+        four_bit = None
+        if isinstance(weight, FourBitWeight) and weight.codes.shape[0] % int4.N_MULTIPLE == 0:
+            four_bit = weight.codes, weight.scale, weight.low
+        weight = as_float(weight).detach()
         bias = None if bias is None else bias.detach()
         # With AMX, oneDNN's tile kernels outrun anything built on vdpbf16ps.
         packed_kernel = None if torch.cpu._is_amx_tile_supported() else cpu_kernels.packed_linear(weight, bias)
@@ -124,7 +129,9 @@ class CpuPlatform(Platform):
 
         native = cpu_computes_bfloat16()
         exact_4bit = weight.dtype == torch.bfloat16 and (native or cpu_kernels.q4_linear_available())
-        four_bit = int4.four_bit_codes(weight) if exact_4bit else None
+        if not exact_4bit:
+            return batched
+        four_bit = four_bit or int4.four_bit_codes(weight)
         if four_bit is None:
             return batched
         small = cpu_kernels.packed_q4_linear(*four_bit, bias)

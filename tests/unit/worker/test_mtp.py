@@ -16,7 +16,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Decod
 from services.worker.model_runner import ModelRunner
 from services.worker.platforms import select_platform
 from services.worker.sequence import SamplingParams, SequenceInput
-from tests.moe_models import _add_mtp_layer, reference_model
+from tests.moe_models import _add_mtp_layer, reference_model, stack_experts
 
 VOCAB = 256
 
@@ -56,12 +56,7 @@ def reference_drafts(reference, directory: Path, tokens: list[int]) -> list[int]
     layer = DeepseekV3DecoderLayer(config, layer_idx=index).eval()
     state = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix) and not any(
         k[len(prefix):].startswith(n) for n in ("enorm", "hnorm", "eh_proj", "shared_head"))}
-    # The checkpoint holds experts one by one; transformers' module stacks them.
-    experts = range(config.n_routed_experts)
-    gate_up = [torch.cat([state.pop(f"mlp.experts.{e}.{n}_proj.weight") for n in ("gate", "up")]) for e in experts]
-    state["mlp.experts.gate_up_proj"] = torch.stack(gate_up)
-    state["mlp.experts.down_proj"] = torch.stack([state.pop(f"mlp.experts.{e}.down_proj.weight") for e in experts])
-    layer.load_state_dict(state, strict=True)
+    layer.load_state_dict(stack_experts(state), strict=True)
     ids = torch.tensor([tokens])
     h = final_hidden(reference, tokens)[:-1]  # [n - 1, hidden]: positions whose next token is known
     with torch.inference_mode():

@@ -16,6 +16,9 @@
   bfloat16. There also exactly-4-bit weights (int4.py) for steps of a few
   rows, where torch's int4 kernel is slower than a float32 matmul. The same
   tiles run a mixture-of-experts layer's experts in one call (GroupedLinear).
+- Integer dot-product linears (int8.c) on AVX512_VNNI, AVX-VNNI or AVX2: int8
+  weights (W8A8, dynamic or msModelSlim's static activation quantisation) and
+  exactly-4-bit ones (W4A8), the activations quantised to int8 per call.
 
 The pure-torch paths (attention.py, decoder.py) stay the reference the tests
 hold these to, and the fallback where no compiler or no kernel exists (other
@@ -78,12 +81,15 @@ def _cpu_flags() -> str:
     return ""
 
 
-def _build(compiler: str, kernels: Path) -> Path:
-    """The library of the sources in `kernels` built for this CPU, from the cache or now."""
+def _build(compiler: str, kernels: Path, extra_flags: tuple[str, ...] = ()) -> Path:
+    """The library of the sources in `kernels` built for this CPU, from the cache or now.
+    `extra_flags` follow -march=native (tests and benches: -mno-avx512f builds the
+    AVX2 kernels on an AVX-512 CPU)."""
     sources = sorted(kernels.glob("*.c"))
+    flags = (*_FLAGS, *extra_flags)
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     texts = [p.read_text() for p in sorted(kernels.glob("*.[ch]"))]
-    key = hashlib.sha256("\0".join([*texts, " ".join(_FLAGS), version, _cpu_flags()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([*texts, " ".join(flags), version, _cpu_flags()]).encode()).hexdigest()[:16]
     target = cache_root() / "kernels" / f"cpu_kernels-{key}.so"
     if target.exists():
         return target
@@ -91,7 +97,7 @@ def _build(compiler: str, kernels: Path) -> Path:
     # Build beside the target and rename: workers starting together never load a partial file.
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        subprocess.run([compiler, *_FLAGS, *map(str, sources), "-o", str(built), "-lm"],
+        subprocess.run([compiler, *flags, *map(str, sources), "-o", str(built), "-lm"],
                        capture_output=True, text=True, check=True)
         os.replace(built, target)
     log.info("built %s", target)
@@ -103,16 +109,16 @@ def _library() -> ctypes.CDLL | None:
     return load_library(_KERNELS)
 
 
-def load_library(kernels: Path) -> ctypes.CDLL | None:
+def load_library(kernels: Path, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     """The kernels of the sources in `kernels` (this tree's, or another checkout's for
-    bench/attention_ab.py), built and loaded with their signatures; None without a
-    compiler or where the build fails."""
+    bench/attention_ab.py), built (with `extra_flags`, see _build) and loaded with
+    their signatures; None without a compiler or where the build fails."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         log.warning("no C compiler: attention and norms run in plain torch (slower)")
         return None
     try:
-        library = ctypes.CDLL(str(_build(compiler, kernels)))
+        library = ctypes.CDLL(str(_build(compiler, kernels, tuple(extra_flags))))
     except (OSError, subprocess.CalledProcessError) as exc:
         detail = getattr(exc, "stderr", "") or exc
         log.warning("building the CPU kernels failed, running plain torch instead: %s", detail)
@@ -141,6 +147,17 @@ def load_library(kernels: Path) -> ctypes.CDLL | None:
         library.grouped_linear_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_void_p] + \
             [ctypes.c_int64] * 2
         library.grouped_linear_bf16.restype = ctypes.c_int
+    if hasattr(library, "linear_w8a8"):  # kernels/int8.c, built for AVX512_VNNI, AVX-VNNI or AVX2
+        for packer in ("pack_linear_w8a8", "pack_linear_q4a8"):
+            getattr(library, packer).argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_void_p]
+            getattr(library, packer).restype = None
+        for size in ("w8a8_packed_bytes", "q4a8_packed_bytes"):
+            getattr(library, size).argtypes = [ctypes.c_int64] * 2
+            getattr(library, size).restype = ctypes.c_int64
+        library.linear_w8a8.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 4 + [ctypes.c_void_p]
+        library.linear_q4a8.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 4
+        library.linear_w8a8.restype = library.linear_q4a8.restype = ctypes.c_int
+        library.int8_isa.argtypes, library.int8_isa.restype = [], ctypes.c_int64
     return library
 
 
@@ -273,16 +290,18 @@ def bfloat16_linear_available() -> bool:
     return library is not None and hasattr(library, "linear_bf16")
 
 
-def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> PackedLinear | None:
+def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None, *,
+                  library: ctypes.CDLL | None = None) -> PackedLinear | None:
     """The bfloat16 linear kernel for `weight` [out, in], or None where there is
     none: not bfloat16, out not a multiple of 16 or in odd, or a CPU (or
-    compiler) with neither AVX512_BF16 nor AVX2 (without AVX-512)."""
+    compiler) with neither AVX512_BF16 nor AVX2 (without AVX-512). `library`:
+    another build of the kernels (load_library) in place of this CPU's."""
     out_features, in_features = weight.shape
     if weight.dtype != torch.bfloat16 or out_features % _LANES or in_features % 2:
         return None
-    if not bfloat16_linear_available():
+    library = library if library is not None else _library()
+    if library is None or not hasattr(library, "linear_bf16"):
         return None
-    library = _library()
     weight = weight.detach().contiguous()
     packed = torch.empty(out_features * in_features, dtype=torch.bfloat16)
     library.pack_linear_bf16(weight.data_ptr(), out_features, in_features, packed.data_ptr())
@@ -296,14 +315,15 @@ def q4_linear_available() -> bool:
 
 
 def packed_q4_linear(codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor,
-                     bias: torch.Tensor | None) -> PackedLinear | None:
+                     bias: torch.Tensor | None, *, library: ctypes.CDLL | None = None) -> PackedLinear | None:
     """linear.c's 4-bit kernel for a weight of codes [out, in] (0..15) times
     scale plus low per group of 32 inputs ([out, in / 32], int4.four_bit_codes),
-    or None where there is none (see q4_linear_available)."""
+    or None where there is none (see q4_linear_available; `library` as in
+    packed_linear)."""
     out_features, in_features = codes.shape
-    if not q4_linear_available():
+    library = library if library is not None else _library()
+    if library is None or not hasattr(library, "linear_q4"):
         return None
-    library = _library()
     size = library.q4_packed_bytes(out_features, in_features)
     if size < 0:  # a shape the layout does not take
         return None
@@ -383,3 +403,121 @@ def moe_combine(rows: torch.Tensor, where: torch.Tensor, weights: torch.Tensor, 
     library.moe_combine_bf16(rows.data_ptr(), where.data_ptr(), weights.data_ptr(), out.data_ptr(), tokens, k,
                              rows.shape[1])
     return out
+
+
+class QuantizedLinear:
+    """y = x @ W.T + bias (+ residual) for bfloat16 or float32 x [..., in], on
+    one of int8.c's kernels (the activations quantised to int8 per call, the
+    weight packed once for it); y in x's dtype."""
+
+    def __init__(self, function, packed: torch.Tensor, out_features: int, in_features: int,
+                 bias: torch.Tensor | None, *extra):
+        self._function = function
+        self._packed = packed
+        self._out_features, self._in_features = out_features, in_features
+        self._bias = None if bias is None else bias.detach().float().contiguous()
+        self._extra = extra  # trailing arguments (W8A8: its static input quantisation, or None)
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if x.dtype not in (torch.bfloat16, torch.float32) or (residual is not None and residual.dtype != x.dtype):
+            raise TypeError(f"the int8 linear kernels take bfloat16 or float32 activations and a residual of "
+                            f"the same dtype, got {x.dtype}" + ("" if residual is None else f" and {residual.dtype}"))
+        shape = (*x.shape[:-1], self._out_features)
+        # The kernel reads whole rows of in_features: other shapes would read past x or residual.
+        if x.shape[-1] != self._in_features or (residual is not None and residual.shape != shape):
+            raise ValueError(f"the linear maps [..., {self._in_features}] to {shape}, got {tuple(x.shape)}"
+                             + ("" if residual is None else f" and a {tuple(residual.shape)} residual"))
+        out = torch.empty(shape, dtype=x.dtype)
+        rows = x.numel() // self._in_features
+        if rows == 0:
+            return out
+        x = x.contiguous()
+        if residual is not None:
+            residual = residual.contiguous()
+        status = self._function(
+            x.data_ptr(), self._packed.data_ptr(), None if self._bias is None else self._bias.data_ptr(),
+            None if residual is None else residual.data_ptr(), out.data_ptr(),
+            rows, self._out_features, self._in_features, int(x.dtype == torch.bfloat16),
+            *(None if t is None else t.data_ptr() for t in self._extra),
+        )
+        if status != 0:
+            raise MemoryError("int8 linear kernel: out of memory for the quantised activations")
+        return out
+
+
+def int8_linear_available(library: ctypes.CDLL | None = None) -> bool:
+    """Whether this CPU (or `library`, a build from load_library) runs int8.c's
+    W8A8 and W4A8 linears: AVX512_VNNI, AVX-VNNI or AVX2."""
+    library = library if library is not None else _library()
+    return library is not None and hasattr(library, "linear_w8a8")
+
+
+def int8_linear_isa(library: ctypes.CDLL | None = None) -> str | None:
+    """The instructions int8.c's kernels were built on ("avx512_vnni", "avx_vnni"
+    or "avx2", as /proc/cpuinfo names them), or None where they are not built."""
+    library = library if library is not None else _library()
+    if not int8_linear_available(library):
+        return None
+    return {3: "avx512_vnni", 2: "avx_vnni", 1: "avx2"}[library.int8_isa()]
+
+
+def q4a8_linear_available(library: ctypes.CDLL | None = None) -> bool:
+    """Whether packed_q4a8_linear has a kernel (built beside the W8A8 one)."""
+    return int8_linear_available(library)
+
+
+def packed_int8_linear(weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+                       static: tuple[float, float] | None = None, quant_bias: torch.Tensor | None = None, *,
+                       library: ctypes.CDLL | None = None) -> QuantizedLinear | None:
+    """int8.c's W8A8 kernel for int8 `weight` [out, in] with a float `weight_scale`
+    per output [out], or None where there is none: not int8, out not a multiple
+    of 16 or in of 32, or no kernel built (int8_linear_available).
+
+    static None (dynamic): per row s = max |x| / 127, xq = round(x / s) in
+    [-127, 127], y = s * weight_scale * (xq @ weight.T + quant_bias) + bias.
+    static (input_scale, input_offset), msModelSlim's W8A8: xq = round(x /
+    input_scale + input_offset) in [-128, 127], y = weight_scale * (xq @ weight.T
+    + quant_bias) (+ bias, which msModelSlim folds into quant_bias, int32 [out]).
+    The integer sums are exact; `library` as in packed_linear."""
+    out_features, in_features = weight.shape
+    library = library if library is not None else _library()
+    if weight.dtype != torch.int8 or weight_scale.shape != (out_features,) or not int8_linear_available(library):
+        return None
+    if quant_bias is not None and (quant_bias.shape != (out_features,) or quant_bias.dtype != torch.int32):
+        raise ValueError(f"quant_bias must be int32 [{out_features}], got {quant_bias.dtype} {tuple(quant_bias.shape)}")
+    size = library.w8a8_packed_bytes(out_features, in_features)
+    if size < 0:  # a shape the layout does not take
+        return None
+    weight = weight.detach().contiguous()
+    scale = weight_scale.detach().float().contiguous()
+    packed = torch.empty(size, dtype=torch.uint8)
+    library.pack_linear_w8a8(weight.data_ptr(), scale.data_ptr(),
+                             None if quant_bias is None else quant_bias.detach().contiguous().data_ptr(),
+                             out_features, in_features, packed.data_ptr())
+    input_quant = None if static is None else torch.tensor([float(static[0]), float(static[1])], dtype=torch.float32)
+    return QuantizedLinear(library.linear_w8a8, packed, out_features, in_features, bias, input_quant)
+
+
+def packed_q4a8_linear(codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, bias: torch.Tensor | None, *,
+                       library: ctypes.CDLL | None = None) -> QuantizedLinear | None:
+    """int8.c's W4A8 kernel for the weight of packed_q4_linear (codes [out, in]
+    0..15, scale and low [out, in / 32]: code * scale + low per group of 32
+    inputs), or None where there is none: out not a multiple of 16 or in of 32,
+    or no kernel built. The activations are quantised per row and group of 32
+    (as llama.cpp's Q8_0): s = max |x| / 127, xq = round(x / s); y = sum over
+    groups of s * (scale * codes . xq + low * sum(xq)) + bias. `library` as in
+    packed_linear."""
+    out_features, in_features = codes.shape
+    library = library if library is not None else _library()
+    if not q4a8_linear_available(library):
+        return None
+    size = library.q4a8_packed_bytes(out_features, in_features)
+    groups = (out_features, in_features // 32)
+    if size < 0 or scale.shape != groups or low.shape != groups:
+        return None
+    codes = codes.detach().to(torch.uint8).contiguous()
+    scale, low = scale.detach().float().contiguous(), low.detach().float().contiguous()
+    packed = torch.empty(size, dtype=torch.uint8)
+    library.pack_linear_q4a8(codes.data_ptr(), scale.data_ptr(), low.data_ptr(), out_features, in_features,
+                             packed.data_ptr())
+    return QuantizedLinear(library.linear_q4a8, packed, out_features, in_features, bias)

@@ -54,9 +54,11 @@ import torch
 
 from services.worker.attention import DecodeBatch, StepSequences, decode_batch, decode_sdpa, write_kv_by_slot
 from services.worker.kv_cache import KVCacheSpec
-from services.worker.platforms.base import Platform
+from services.worker.platforms.base import Linear, Platform
 from services.worker.platforms.moe_ops import RENORM_EPS, MoeRouting
 from services.worker.platforms.npu_moe import NpuExperts, gating_fits
+from services.worker.platforms.npu_quant import quantized_linear
+from services.worker.quantization import QuantizedWeight
 
 log = logging.getLogger(__name__)
 
@@ -260,6 +262,14 @@ class NpuPlatform(Platform):
 
     def set_device(self, local_rank: int) -> None:
         torch.npu.set_device(local_rank)  # type: ignore[attr-defined]
+
+    def linear(self, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None) -> Linear:
+        """A quantized weight on the Ascend quantized matmuls (npu_quant.py), as it is stored."""
+        if not isinstance(weight, torch.Tensor):
+            quantized = quantized_linear(self._npu, weight, bias, self.device)
+            if quantized is not None:
+                return quantized
+        return super().linear(weight, bias)
 
     def layer_ops(self, dtype: torch.dtype, hidden_size: int, intermediate_size: int, head_dim: int) -> NpuLayerOps:
         return NpuLayerOps(self._npu)

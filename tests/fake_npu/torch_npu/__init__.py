@@ -351,3 +351,11 @@ npu_moe_gating_top_k = torch.ops.npu.npu_moe_gating_top_k
 npu_moe_init_routing_v2 = torch.ops.npu.npu_moe_init_routing_v2
 npu_grouped_matmul = torch.ops.npu.npu_grouped_matmul
 npu_moe_token_unpermute = torch.ops.npu.npu_moe_token_unpermute
+
+# Quantized matmuls for msModelSlim's W8A8 / W8A8_DYNAMIC / W4A16 (_quant_ops.py).
+from torch_npu import _quant_ops  # noqa: E402, F401
+
+npu_dynamic_quant = torch.ops.npu.npu_dynamic_quant
+npu_quantize = torch.ops.npu.npu_quantize
+npu_quant_matmul = torch.ops.npu.npu_quant_matmul
+npu_weight_quant_batchmatmul = torch.ops.npu.npu_weight_quant_batchmatmul

@@ -171,3 +171,95 @@ def test_moe_families_give_the_cpu_platforms_logits(npu_platform, family, tmp_pa
         return torch.cat(_logits(runner, prompts, [[5, 6], [7, 8], [9, 10]]))
 
     torch.testing.assert_close(logits(npu_platform), logits(CpuPlatform(CPU)), atol=2e-4, rtol=2e-4)
+
+
+# --- quantized linears (msModelSlim's W8A8, W8A8_DYNAMIC, and 4-bit weights) ---------------------------------
+
+
+def _int8_weight(out_features: int, in_features: int, static: tuple[float, int] | None, seed: int):
+    from services.worker.quantization import Int8Weight
+
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randint(-127, 128, (out_features, in_features), generator=generator, dtype=torch.int8)
+    scale = torch.rand(out_features, generator=generator) * 1e-3 + 1e-4
+    return Int8Weight(q, scale, static, torch.bfloat16)
+
+
+def test_dynamic_int8_linear_quantizes_each_token(npu_platform):
+    """npu_dynamic_quant + npu_quant_matmul: each row's own int8 scale, the
+    weight's per-row scale, the bias after both; the rows of x as bfloat16
+    and in float64 the math msModelSlim's W8A8_DYNAMIC defines."""
+    weight = _int8_weight(48, 64, None, 0)
+    x = (torch.randn(5, 64) * torch.tensor([0.1, 1, 10, 100, 0.01])[:, None]).to(torch.bfloat16)
+    bias = torch.randn(48)
+    y = npu_platform.linear(weight, bias)(x, residual=torch.ones(5, 48, dtype=torch.bfloat16))
+    xs = x.double()
+    token_scale = xs.abs().amax(1, keepdim=True) / 127
+    expected = ((xs / token_scale).round() @ weight.q.double().t()) * token_scale * weight.scale.double() + bias + 1
+    torch.testing.assert_close(y.double(), expected, rtol=1e-2, atol=1e-2 * float(expected.abs().max()))
+
+
+def test_static_int8_linear_takes_the_calibrated_scale_and_offset(npu_platform):
+    """npu_quantize + npu_quant_matmul with deq_scale and an int32 bias that
+    carries − offset · Σ weight and the float bias."""
+    input_scale, input_offset = 2**-6, -7  # as a bfloat16 checkpoint holds them
+    weight = _int8_weight(32, 64, (input_scale, input_offset), 1)
+    deq = weight.scale.double()
+    x = (torch.randn(6, 64) * 0.5).clamp(-1.8, 1.8).to(torch.bfloat16)  # within the calibrated range
+    bias = torch.randn(32) * 0.01
+    y = npu_platform.linear(weight, bias)(x)
+    xq = (x.double() / input_scale + input_offset).round().clamp(-128, 127)
+    q = weight.q.double()
+    expected = (xq @ q.t() - input_offset * q.sum(1) + (bias.double() / deq).round()) * deq
+    torch.testing.assert_close(y.double(), expected, rtol=1e-2, atol=1e-2 * float(expected.abs().max()))
+    # Against the float weight it stands for, the activations' rounding only.
+    float_y = x.double() @ weight.dequantize().double().t() + bias
+    assert (y.double() - float_y).abs().max() < 0.05 * float_y.abs().max()
+
+
+def test_four_bit_linear_runs_on_weight_quant_batchmatmul(npu_platform):
+    from services.worker.quantization import FourBitWeight
+
+    generator = torch.Generator().manual_seed(2)
+    codes = torch.randint(0, 16, (32, 128), generator=generator, dtype=torch.uint8)
+    scale = torch.rand(32, 4, generator=generator) * 0.01 + 1e-3
+    low = -8 * scale + torch.randn(32, 4, generator=generator) * 1e-3
+    weight = FourBitWeight(codes, scale, low, torch.bfloat16)
+    linear = npu_platform.linear(weight, None)
+    assert type(linear).__name__ == "NpuFourBitLinear"
+    x = torch.randn(3, 128).to(torch.bfloat16)
+    expected = x.double() @ weight.dequantize().double().t()
+    torch.testing.assert_close(linear(x).double(), expected, rtol=2e-2, atol=2e-3)
+
+
+def test_float32_runs_dequantize_quantized_weights(npu_platform):
+    """The Ascend ops take float16/bfloat16 activations: a float32 run dequantizes."""
+    import dataclasses
+
+    weight = dataclasses.replace(_int8_weight(16, 32, None, 3), dtype=torch.float32)
+    x = torch.randn(2, 32)
+    torch.testing.assert_close(npu_platform.linear(weight, None)(x), x @ weight.dequantize().t())
+
+
+def test_modelslim_w8a8_dynamic_model_gives_the_cpu_platforms_logits(npu_platform, tmp_path):
+    """A tiny Llama written by our quantize command, in bfloat16 through the
+    quantized Ascend matmuls: within the activations' int8 rounding of the CPU
+    platform's float32 run of the weights the checkpoint stands for."""
+    from services.worker.quantize import main as quantize_main
+
+    reference_model("qwen3_moe", 256, mlp_only_layers=[0, 1, 2]).save_pretrained(tmp_path / "float")
+    assert quantize_main([str(tmp_path / "float"), str(tmp_path / "w8a8"), "--format", "w8a8_dynamic"]) == 0
+    prompts = [list(range(10, 41)), list(range(100, 107))]
+
+    def logits(platform, dtype) -> torch.Tensor:
+        runner = ModelRunner(tmp_path / "w8a8", platform, dtype, block_size=4, kv_cache_bytes=2**20,
+                             max_batch_size=4)
+        if platform is npu_platform:
+            layer = runner.decoder.layers[1]
+            assert type(layer.attention.qkv).__name__ == type(layer.mlp.gate_up).__name__ == "NpuInt8Linear"
+        return torch.cat(_logits(runner, prompts, [[5, 6], [7, 8], [9, 10]])).float()
+
+    exact = logits(CpuPlatform(CPU), "float32")
+    on_npu = logits(npu_platform, "bfloat16")
+    error = (on_npu - exact).abs().mean() / exact.abs().mean()
+    assert error < 0.05, error

@@ -67,6 +67,16 @@ class Int8Weight:
         scale = self.scale if self.static is None else self.scale / self.static[0]
         return self.q.float() * scale[:, None]
 
+    def quant_bias(self, bias: torch.Tensor | None) -> torch.Tensor:
+        """Static: the int32 [out] that integer kernels add to Σ xq·q before the
+        scale, −offset·Σq and the float bias in units of the scale (msModelSlim's
+        quant_bias)."""
+        assert self.static is not None
+        folded = -self.static[1] * self.q.to(torch.int64).sum(1)
+        if bias is not None:
+            folded = folded + (bias.double().cpu() / self.scale.double()).round().to(torch.int64)
+        return folded.to(torch.int32)
+
     @staticmethod
     def cat(parts: list[Int8Weight]) -> Int8Weight | None:
         """Row blocks side by side (Q/K/V, gate/up), or None where their activations

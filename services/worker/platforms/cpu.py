@@ -12,7 +12,7 @@ import torch
 from services.worker import cpu_kernels, int4
 from services.worker.attention import StepSequences, write_kv_by_slot
 from services.worker.platforms.base import Linear, Platform, TorchLayerOps, host_available_memory, plain_linear
-from services.worker.quantization import FourBitWeight, QuantizedWeight, as_float
+from services.worker.quantization import FourBitWeight, Int8Weight, QuantizedWeight, as_float
 from services.worker.platforms.moe_ops import ANY_HEAD_DIM, LinearExperts, MoeExperts, SortedExperts, SortedRows
 
 # oneDNN and torch's ideep layer each keep every matmul primitive they build, one
@@ -104,8 +104,16 @@ class CpuPlatform(Platform):
         where it is built (AVX512_BF16, or AVX2 without AVX-512, where torch's is 10
         times slower than a float32 matmul), else torch's int4 kernel on a CPU that
         computes bfloat16 natively. A 4-bit checkpoint's weight (quantization.FourBitWeight)
-        brings its codes; other quantized weights run dequantized.
+        brings its codes. An int8 weight whose format quantizes activations (W8A8,
+        W8A8_DYNAMIC) runs on int8.c's integer dot products (cpu_kernels.py) as the
+        format defines them; other quantized weights run dequantized.
         """
+        if isinstance(weight, Int8Weight):
+            static = weight.static is not None
+            kernel = cpu_kernels.packed_int8_linear(weight.q, weight.scale, None if static else bias, weight.static,
+                                                    weight.quant_bias(bias) if static else None)
+            if kernel is not None:
+                return kernel
         four_bit = None
         if isinstance(weight, FourBitWeight) and weight.codes.shape[0] % int4.N_MULTIPLE == 0:
             four_bit = weight.codes, weight.scale, weight.low

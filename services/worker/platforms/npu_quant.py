@@ -34,11 +34,8 @@ class NpuInt8Linear:
             in_features = weight.q.shape[1]
             self._input_scale = torch.full((in_features,), input_scale, dtype=weight.dtype, device=device)
             self._input_offset = torch.full((in_features,), input_offset, dtype=weight.dtype, device=device)
-            folded = -input_offset * weight.q.to(torch.int64).sum(1)
-            if bias is not None:
-                folded = folded + (bias.double() / weight.scale.double()).round().to(torch.int64)
-                self._bias = None
-            self._quant_bias = folded.to(torch.int32).to(device)
+            self._quant_bias = weight.quant_bias(bias).to(device)
+            self._bias = None  # in quant_bias
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         shape = x.shape

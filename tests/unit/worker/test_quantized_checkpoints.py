@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
 from services.common.model_files import default_model_path, resolve_model
 
-from services.worker import quantization
+from services.worker import cpu_kernels, quantization
 from services.worker.decoder import LeanDecoder
 from services.worker.model_runner import ModelRunner
 from services.worker.platforms import select_platform
@@ -68,6 +68,43 @@ def _reference(model, weights: dict[str, torch.Tensor]):
     return reference
 
 
+def _quantize_activations(reference, static: dict[str, tuple[float, float] | None]) -> None:
+    """Make each of the reference's linears named in `static` see its input as
+    int8 activations do (the W8A8 formats' math, which the worker's integer
+    kernels run): per token, round(x / s) · s with s = max |x| / 127 (None), or
+    per tensor, (round(x / scale + offset) − offset) · scale ((scale, offset))."""
+    modules = dict(reference.named_modules())
+
+    def hook(quant):
+        def quantize(_module, args):
+            x = args[0]
+            if quant is None:
+                s = (x.abs().amax(-1, keepdim=True) / 127).clamp(min=1e-30)
+                return ((x / s).round().clamp(-127, 127) * s,)
+            scale, offset = quant
+            return (((x / scale + offset).round().clamp(-128, 127) - offset) * scale,)
+        return quantize
+
+    for name, quant in static.items():
+        modules[name].register_forward_pre_hook(hook(quant))
+
+
+def _int8_linears(directory) -> dict[str, tuple[float, float] | None]:
+    """The linears of a W8A8 checkpoint that the worker runs on int8 kernels (the
+    attention and dense MLP projections; routed experts run dequantized), with
+    their static input quantization or None (dynamic)."""
+    stored = load_file(directory / "model.safetensors")
+    linears = {}
+    for name, tensor in stored.items():
+        if name.endswith(".weight") and tensor.dtype == torch.int8 and ".experts." not in name:
+            prefix = name.removesuffix(".weight")
+            static = None
+            if prefix + ".input_scale" in stored:
+                static = (float(stored[prefix + ".input_scale"]), float(stored[prefix + ".input_offset"]))
+            linears[prefix] = static
+    return linears
+
+
 def _assert_matches(reference, runner, vocab: int = VOCAB) -> None:
     generator = torch.Generator().manual_seed(1)
     tokens = {1: torch.randint(0, vocab, (23,), generator=generator).tolist(),
@@ -97,7 +134,10 @@ def test_hf_formats_serve_their_float_weights(llama, fmt, tmp_path):
     stored, weights, config = WRITERS[fmt](state)
     directory = quantized_models.write(tmp_path / fmt, source, stored, quantization=config)
     assert any(not torch.equal(weights[k], model.state_dict()[k]) for k in weights)  # quantization changed them
-    _assert_matches(_reference(model, weights), _runner(directory))
+    reference = _reference(model, weights)
+    if fmt == "compressed-tensors-int8":  # W8A8, dynamic per-token activations
+        _quantize_activations(reference, _int8_linears(directory))
+    _assert_matches(reference, _runner(directory))
 
 
 def test_modelslim_w4a16(llama, tmp_path):
@@ -146,7 +186,14 @@ def test_quantize_command_writes_modelslim(llama_with_tokenizer, fmt, tmp_path):
     if fmt == "w8a8":  # calibrated: Q, K and V see one input, so one scale
         scales = {float(stored[f"model.layers.0.self_attn.{p}_proj.input_scale"]) for p in "qkv"}
         assert len(scales) == 1 and scales.pop() > 0
-    _assert_matches(_reference(model, _modelslim_float_weights(directory)), _runner(directory))
+    reference = _reference(model, _modelslim_float_weights(directory))
+    _quantize_activations(reference, _int8_linears(directory))
+    runner = _runner(directory)
+    if cpu_kernels.int8_linear_available():  # the integer kernels, not a dequantized weight
+        layer = runner.decoder.layers[0]
+        assert isinstance(layer.attention.qkv, cpu_kernels.QuantizedLinear)
+        assert isinstance(layer.mlp.gate_up, cpu_kernels.QuantizedLinear)
+    _assert_matches(reference, runner)
 
 
 def test_deepseek_v3_fp8_blocks_mla_and_experts(tmp_path):
@@ -173,6 +220,7 @@ def test_qwen3_moe_w8a8_dynamic_experts(tmp_path):
     assert description["model.layers.1.mlp.experts.5.up_proj.weight"] == "W8A8_DYNAMIC"
     assert description["model.layers.1.mlp.gate.weight"] == "FLOAT"  # the router stays float
     model.load_state_dict(stack_experts(_modelslim_float_weights(directory)), strict=True)
+    _quantize_activations(model, _int8_linears(directory))
     _assert_matches(model, _runner(directory))
 
 

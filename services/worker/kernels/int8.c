@@ -166,6 +166,11 @@ typedef uint8_t w8_act; /* xq + 128 */
 #define W8_TILE_VECS 2 /* 8 sums, 2 widened weights, a broadcast, a product */
 typedef int16_t w8_act;
 #endif
+_Static_assert(W8_TILE_ROWS == 4 || W8_TILE_ROWS == 6 || W8_TILE_ROWS == 8, "linear_w8a8 unrolls 4, 6 or 8 rows");
+_Static_assert(W8_TILE_VECS >= 2 && W8_TILE_VECS <= 4, "linear_w8a8 unrolls 2 to 4 vectors");
+#ifndef W8_PREFETCH
+#define W8_PREFETCH 4096 /* bytes ahead in each block */
+#endif
 
 int64_t w8a8_packed_bytes(int64_t n, int64_t k) {
     return n <= 0 || k <= 0 || n % I8_BLOCK || k % I8_GROUP ? -1 : n * k + n * 8;
@@ -232,7 +237,7 @@ static void w8_quantize_row(const void *x, int64_t k, int bf16, const float *inp
  * the packed weights of the tile's first block, `half` its first vector in it. */
 INLINE void w8_tile(const w8_act *xq, const float *row_scale, const int8_t *w, int half, const float *scales,
                     const int32_t *offsets, const float *bias, const void *residual, void *out, int64_t n, int64_t k,
-                    int64_t col, int bf16, int rows, int vecs) {
+                    int64_t col, int bf16, int rows, int vecs, int prefetch) {
     ivec acc[W8_TILE_ROWS][W8_TILE_VECS];
     for (int i = 0; i < rows; i++)
         for (int j = 0; j < vecs; j++) acc[i][j] = (ivec){0};
@@ -240,6 +245,9 @@ INLINE void w8_tile(const w8_act *xq, const float *row_scale, const int8_t *w, i
     for (int j = 0; j < vecs; j++) wv_at[j] = w + (half + j) / HALVES * I8_BLOCK * k + (half + j) % HALVES * I8_VL * W8_STEP;
     for (int64_t s = 0; s < k / W8_STEP; s++) {
         ivec wv[W8_TILE_VECS];
+        if (prefetch)
+            for (int j = 0; j < vecs; j++)
+                _mm_prefetch((const char *)(wv_at[j] + s * W8_STEP * I8_BLOCK + W8_PREFETCH), _MM_HINT_T0);
         for (int j = 0; j < vecs; j++) {
 #if I8_VNNI
             memcpy(&wv[j], wv_at[j] + s * 64, sizeof wv[j]);
@@ -303,8 +311,16 @@ int linear_w8a8(const void *x, const uint8_t *packed, const float *bias, const v
             void *tile_out = (uint8_t *)out + r * n * (bf16 ? 2 : 4);
             /* Constant row and vector counts, so each case compiles to its own unrolled tile. */
 #define TILE(ROWS, VECS) w8_tile(xq + r * k, row_scale + r, w, (int)(v % HALVES), scales, offsets, bias, \
-                                 tile_residual, tile_out, n, k, col, (int)bf16, ROWS, VECS)
-#if W8_TILE_VECS == 3
+                                 tile_residual, tile_out, n, k, col, (int)bf16, ROWS, VECS, r == first)
+#if W8_TILE_VECS == 4
+#define VECS_OF(ROWS)                 \
+    switch (nv) {                     \
+        case 4: TILE(ROWS, 4); break; \
+        case 3: TILE(ROWS, 3); break; \
+        case 2: TILE(ROWS, 2); break; \
+        default: TILE(ROWS, 1);       \
+    }
+#elif W8_TILE_VECS == 3
 #define VECS_OF(ROWS)                 \
     switch (nv) {                     \
         case 3: TILE(ROWS, 3); break; \
@@ -319,9 +335,11 @@ int linear_w8a8(const void *x, const uint8_t *packed, const float *bias, const v
     }
 #endif
             switch (tile_rows) {
-#if W8_TILE_ROWS == 8
+#if W8_TILE_ROWS >= 8
                 case 8: VECS_OF(8); break;
                 case 7: VECS_OF(7); break;
+#endif
+#if W8_TILE_ROWS >= 6
                 case 6: VECS_OF(6); break;
                 case 5: VECS_OF(5); break;
 #endif
@@ -350,6 +368,11 @@ int linear_w8a8(const void *x, const uint8_t *packed, const float *bias, const v
  * then adds). */
 #define Q4A8_TILE_ROWS (I8_VL == 16 ? 12 : (I8_VNNI ? 6 : 5)) /* sums, float sums, codes, mask, broadcast */
 #define Q4A8_STRIP (48 / I8_VL) /* vectors per scheduled strip: 48 outputs */
+_Static_assert(Q4A8_TILE_ROWS == 5 || Q4A8_TILE_ROWS == 6 || Q4A8_TILE_ROWS == 8 || Q4A8_TILE_ROWS == 12,
+               "linear_q4a8 unrolls 5, 6, 8 or 12 rows");
+#ifndef Q4A8_PREFETCH
+#define Q4A8_PREFETCH 8 /* groups ahead */
+#endif
 
 int64_t q4a8_packed_bytes(int64_t n, int64_t k) {
     return n <= 0 || k <= 0 || n % I8_BLOCK || k % I8_GROUP ? -1 : n / I8_BLOCK * (k / I8_GROUP) * Q4A8_GROUP_BYTES;
@@ -436,12 +459,15 @@ INLINE void q4a8_group(const uint8_t *gw, const int8_t *xq, int64_t k, int rows,
  * block, `half` the vector in it. */
 INLINE void q4a8_tile(const int8_t *xq, const float *block_scale, const float *block_sum, const uint8_t *w, int half,
                       const float *bias, const void *residual, void *out, int64_t n, int64_t k, int64_t col, int bf16,
-                      int rows) {
+                      int rows, int prefetch) {
     const int64_t groups = k / I8_GROUP;
     fvec y[Q4A8_TILE_ROWS];
     for (int i = 0; i < rows; i++) y[i] = (fvec){0};
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *gw = w + g * Q4A8_GROUP_BYTES;
+        if (prefetch)
+            for (int line = 0; line < Q4A8_GROUP_BYTES; line += 64)
+                _mm_prefetch((const char *)(gw + Q4A8_PREFETCH * Q4A8_GROUP_BYTES + line), _MM_HINT_T0);
         ivec sums[Q4A8_TILE_ROWS];
         q4a8_group(gw + half * I8_VL * 4, xq + g * I8_GROUP, k, rows, sums);
         fvec scale, low;
@@ -486,13 +512,16 @@ int linear_q4a8(const void *x, const uint8_t *packed, const float *bias, const v
             for (int64_t v = s * Q4A8_STRIP; v < MIN((s + 1) * Q4A8_STRIP, vecs); v++) {
                 const uint8_t *w = packed + v / HALVES * groups * Q4A8_GROUP_BYTES;
 #define TILE(ROWS) q4a8_tile(xq + r * k, block_scale + r * groups, block_sum + r * groups, w, (int)(v % HALVES), \
-                             bias, tile_residual, tile_out, n, k, v * I8_VL, (int)bf16, ROWS)
+                             bias, tile_residual, tile_out, n, k, v * I8_VL, (int)bf16, ROWS, \
+                             r == first && v % HALVES == 0)
                 switch (tile_rows) {
-#if Q4A8_TILE_ROWS == 12
+#if Q4A8_TILE_ROWS >= 12
                     case 12: TILE(12); break;
                     case 11: TILE(11); break;
                     case 10: TILE(10); break;
                     case 9: TILE(9); break;
+#endif
+#if Q4A8_TILE_ROWS >= 8
                     case 8: TILE(8); break;
                     case 7: TILE(7); break;
 #endif

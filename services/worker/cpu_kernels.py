@@ -481,18 +481,22 @@ def packed_int8_linear(weight: torch.Tensor, weight_scale: torch.Tensor, bias: t
     The integer sums are exact; `library` as in packed_linear."""
     out_features, in_features = weight.shape
     library = library if library is not None else _library()
-    if weight.dtype != torch.int8 or weight_scale.shape != (out_features,) or not int8_linear_available(library):
+    if weight.dtype != torch.int8 or not int8_linear_available(library):
         return None
-    if quant_bias is not None and (quant_bias.shape != (out_features,) or quant_bias.dtype != torch.int32):
-        raise ValueError(f"quant_bias must be int32 [{out_features}], got {quant_bias.dtype} {tuple(quant_bias.shape)}")
+    # One value per output, as [out] or [out, 1]; an integer scale would be a misread (not a conversion).
+    if weight_scale.numel() != out_features or not weight_scale.is_floating_point():
+        raise ValueError(f"weight_scale must be {out_features} floats, got {weight_scale.dtype} "
+                         f"{tuple(weight_scale.shape)}")
+    if quant_bias is not None and (quant_bias.numel() != out_features or quant_bias.dtype != torch.int32):
+        raise ValueError(f"quant_bias must be {out_features} int32, got {quant_bias.dtype} {tuple(quant_bias.shape)}")
     size = library.w8a8_packed_bytes(out_features, in_features)
     if size < 0:  # a shape the layout does not take
         return None
     weight = weight.detach().contiguous()
-    scale = weight_scale.detach().float().contiguous()
+    scale = weight_scale.detach().float().reshape(-1).contiguous()
+    quant_bias = None if quant_bias is None else quant_bias.detach().reshape(-1).contiguous()
     packed = torch.empty(size, dtype=torch.uint8)
-    library.pack_linear_w8a8(weight.data_ptr(), scale.data_ptr(),
-                             None if quant_bias is None else quant_bias.detach().contiguous().data_ptr(),
+    library.pack_linear_w8a8(weight.data_ptr(), scale.data_ptr(), None if quant_bias is None else quant_bias.data_ptr(),
                              out_features, in_features, packed.data_ptr())
     input_quant = None if static is None else torch.tensor([float(static[0]), float(static[1])], dtype=torch.float32)
     return QuantizedLinear(library.linear_w8a8, packed, out_features, in_features, bias, input_quant)

@@ -172,6 +172,13 @@ def test_shapes_are_checked_and_refused(variant: str):
     assert cpu_kernels.packed_int8_linear(weight[:40], scale[:40], None, library=lib) is None  # 40 outputs
     assert cpu_kernels.packed_int8_linear(weight[:, :48], scale, None, library=lib) is None  # not whole 32s
     assert cpu_kernels.packed_int8_linear(weight.float(), scale, None, library=lib) is None  # not int8
+    with pytest.raises(ValueError):  # an integer scale (NPU checkpoints pack float bits into int64) is not cast
+        cpu_kernels.packed_int8_linear(weight, scale.long(), None, library=lib)
+    with pytest.raises(ValueError):
+        cpu_kernels.packed_int8_linear(weight, scale, None, quant_bias=torch.ones(48, dtype=torch.int64), library=lib)
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(cpu_kernels.packed_int8_linear(weight, scale[:, None], None, library=lib)(x),
+                               cpu_kernels.packed_int8_linear(weight, scale, None, library=lib)(x))  # [out, 1]
     codes, groups = torch.ones(48, 64, dtype=torch.uint8), torch.ones(48, 2)
     assert cpu_kernels.packed_q4a8_linear(codes[:40], groups[:40], groups[:40], None, library=lib) is None
     assert cpu_kernels.packed_q4a8_linear(codes[:, :48], groups, groups, None, library=lib) is None

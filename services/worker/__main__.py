@@ -26,6 +26,7 @@ def load_runner(config: WorkerConfig) -> ModelRunner:
     group, resolve and load the model, warm it up."""
     platform = select_platform(config.device)
     platform.set_num_threads(config.num_threads, config.tensor_parallel_size)
+    platform.set_activations(config.activations)
     group = TensorParallel.start(config, platform) if config.tensor_parallel_size > 1 else None
     runner = build_runner(config, platform, group)
     runner.warm_up()

@@ -9,6 +9,7 @@ from services.common.tls import InternalTlsSettings, check_internal_tls, health_
 
 DEVICES = ("auto", "cpu", "cuda", "npu")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+ACTIVATIONS = ("auto", "int8", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,10 @@ class WorkerConfig(InternalTlsSettings):
     )
     drain_timeout_s: float = drain_timeout_setting()
     health_port: int = health_port_setting()
+    activations: str = setting(
+        "auto", "activations of 4-bit weights on CPU (a Q4 GGUF, AWQ, GPTQ, W4A16): int8 (quantized per row "
+        "and group of 32, integer dot products, as llama.cpp does), bfloat16, or auto (int8 on CPUs without "
+        "AVX512_BF16)")
     speculative_method: str = setting(
         "off", "the scheduler's setting of the same name; mtp: load the checkpoint's multi-token prediction "
         "module and return its draft with each sampled token")
@@ -54,6 +59,7 @@ class WorkerConfig(InternalTlsSettings):
         require(0 <= self.port <= 65535, f"port must be in [0, 65535], got {self.port}")
         require(0 <= self.metrics_port <= 65535, f"metrics_port must be in [0, 65535], got {self.metrics_port}")
         require(self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}")
+        require(self.activations in ACTIVATIONS, f"activations must be one of {ACTIVATIONS}, got {self.activations!r}")
         require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         require(
             1 <= self.cache_block_size <= 512,

@@ -42,6 +42,7 @@ def main() -> None:
     log = setup_logging(f"worker-rank{args.tp_rank}")
     platform = select_platform(config.device, local_rank=args.tp_rank)
     platform.set_num_threads(config.num_threads, config.tensor_parallel_size)
+    platform.set_activations(config.activations)
     group = TensorParallel.join(args.tp_rank, config.tensor_parallel_size, args.tp_listen, args.tp_dist_port,
                                 platform)
     runner = build_runner(config, platform, group)

@@ -116,6 +116,13 @@ class Platform:
         """`auto` is bfloat16 on accelerators; any other name is returned as it is."""
         return "bfloat16" if name == "auto" else name
 
+    def set_activations(self, activations: str) -> None:
+        """The worker's `activations` setting: int8 dot products for 4-bit weights
+        are a CPU path; elsewhere `auto` and `bfloat16` run the activations in the
+        run's dtype."""
+        if activations == "int8":
+            raise ValueError(f"activations int8 runs on CPU only, not {self.name}")
+
     def linear(self, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None) -> Linear:
         """y = x @ weight.T + bias, prepared once for this device. A quantized
         weight (quantization.py) runs dequantized where the platform has no

@@ -4,6 +4,7 @@ layer where the grouped kernel is not built), and gloo for tensor parallelism.""
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from typing import ClassVar
 
@@ -14,6 +15,8 @@ from services.worker.attention import StepSequences, write_kv_by_slot
 from services.worker.platforms.base import Linear, Platform, TorchLayerOps, host_available_memory, plain_linear
 from services.worker.quantization import FourBitWeight, Int8Weight, QuantizedWeight, as_float
 from services.worker.platforms.moe_ops import ANY_HEAD_DIM, LinearExperts, MoeExperts, SortedExperts, SortedRows
+
+log = logging.getLogger(__name__)
 
 # oneDNN and torch's ideep layer each keep every matmul primitive they build, one
 # per input row count, about 0.7 MiB each: left at their default of 1,024,
@@ -47,6 +50,8 @@ _Q4_MAX_ROWS = 4
 # 4.5 against 10.2 ms at 1 row, 7.0 against 11.2 at 8, 9.9 against 13.1 at 12,
 # level at 16. Torch's int4 kernel: 4.9 ms at 1 row, 14.1 at 8.
 _Q4_MAX_ROWS_AVX512 = 12
+# With int8 activations (set_activations), int8.c's W4A8 kernel up to this many rows.
+_Q4A8_MAX_ROWS = 12
 
 
 @functools.cache
@@ -56,6 +61,16 @@ def cpu_computes_bfloat16() -> bool:
     emulated: 3.4 times slower than float32 at 32 rows on a 2-core AVX2 EPYC, and
     the int4 kernel is 10 times slower than a float32 matmul there."""
     return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def int8_activations_default() -> str:
+    """What `auto` picks: int8 where the W4A8 kernel is built and the CPU has no
+    AVX512_BF16 (on AVX2, bfloat16 activations cost a conversion and a float FMA
+    per weight; see _Q4A8_MAX_ROWS), bfloat16 where vdpbf16ps runs the 4-bit
+    kernel as fast."""
+    if cpu_kernels.q4a8_linear_available() and not cpu_kernels.cpu_has("avx512_bf16"):
+        return "int8"
+    return "bfloat16"
 
 
 class CpuAttention:
@@ -80,8 +95,24 @@ class CpuPlatform(Platform):
     dist_backend: ClassVar[str] = "gloo"
     kv_memory_fraction: ClassVar[float] = 0.5
 
+    # Whether exactly-4-bit weights run on int8 dot products (set_activations).
+    int8_activations: bool = False
+
     def available_memory(self) -> int:
         return host_available_memory()
+
+    def set_activations(self, activations: str) -> None:
+        """`int8`: exactly-4-bit weights (Q4 GGUF, AWQ, GPTQ, W4A16) run on int8.c's
+        W4A8 kernel, their activations quantized per row and group of 32 as
+        llama.cpp does; `bfloat16`: on linear.c's 4-bit kernel with bfloat16
+        activations; `auto`: int8 where the CPU has no AVX512_BF16 (see
+        int8_activations_default)."""
+        if activations == "int8" and not cpu_kernels.q4a8_linear_available():
+            raise ValueError("activations int8 needs int8.c's kernels: a C compiler and a CPU with AVX2 or VNNI")
+        chosen = activations if activations != "auto" else int8_activations_default()
+        self.int8_activations = chosen == "int8"
+        log.info("activations of 4-bit weights: %s%s (int8 kernels on %s)", chosen,
+                 " (auto)" if activations == "auto" else "", cpu_kernels.int8_linear_isa() or "nothing: not built")
 
     def resolve_dtype(self, name: str) -> str:
         """`auto` is bfloat16 on CPUs that compute it natively or run the bfloat16
@@ -142,8 +173,10 @@ class CpuPlatform(Platform):
         four_bit = four_bit or int4.four_bit_codes(weight)
         if four_bit is None:
             return batched
-        small = cpu_kernels.packed_q4_linear(*four_bit, bias)
+        small = cpu_kernels.packed_q4a8_linear(*four_bit, bias) if self.int8_activations else None
         if small is not None:
+            int4_max_rows = _Q4A8_MAX_ROWS
+        elif (small := cpu_kernels.packed_q4_linear(*four_bit, bias)) is not None:
             int4_max_rows = _Q4_MAX_ROWS_AVX512 if cpu_kernels.cpu_has("avx512_bf16") else _Q4_MAX_ROWS
         elif native:
             int4_max_rows = _INT4_MAX_ROWS

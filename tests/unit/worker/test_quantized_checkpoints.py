@@ -179,7 +179,8 @@ def test_quantize_command_writes_modelslim(llama_with_tokenizer, fmt, tmp_path):
     assert quantize_main([str(source), str(directory), "--format", fmt]) == 0
     description = json.loads((directory / "quant_model_description.json").read_text())
     assert description["model_quant_type"] == fmt.upper()
-    assert description["model.layers.0.mlp.down_proj.weight"] == fmt.upper()
+    assert description["model.layers.0.self_attn.q_proj.weight"] == fmt.upper()
+    assert description["model.layers.0.mlp.down_proj.weight"] == "W8A8_DYNAMIC"  # dynamic in both
     assert description["lm_head.weight"] == description["model.embed_tokens.weight"] == "FLOAT"
     stored = load_file(directory / "model.safetensors")
     assert stored["model.layers.1.self_attn.q_proj.weight"].dtype == torch.int8
@@ -215,7 +216,8 @@ def test_qwen3_moe_w8a8_dynamic_experts(tmp_path):
     source = tmp_path / "float"
     model.save_pretrained(source)
     directory = tmp_path / "w8a8"
-    assert quantize_main([str(source), str(directory), "--format", "w8a8_dynamic"]) == 0
+    # No tokenizer to calibrate with: no smoothing.
+    assert quantize_main([str(source), str(directory), "--format", "w8a8_dynamic", "--smooth-alpha", "-1"]) == 0
     description = json.loads((directory / "quant_model_description.json").read_text())
     assert description["model.layers.1.mlp.experts.5.up_proj.weight"] == "W8A8_DYNAMIC"
     assert description["model.layers.1.mlp.gate.weight"] == "FLOAT"  # the router stays float
@@ -269,10 +271,36 @@ def test_quantized_checkpoint_of_a_family_off_the_lean_path_is_refused(llama, tm
     """transformers would load msModelSlim's int8 tensors as floats without a word."""
     model, source = llama
     directory = tmp_path / "w8a8"
-    assert quantize_main([str(source), str(directory), "--format", "w8a8_dynamic"]) == 0
+    assert quantize_main([str(source), str(directory), "--format", "w8a8_dynamic", "--smooth-alpha", "-1"]) == 0
     config = json.loads((directory / "config.json").read_text())
     (directory / "config.json").write_text(json.dumps({**config, "hidden_act": "gelu"}))  # not the lean path's
     _refused(directory, "LlamaForCausalLM", "msModelSlim W8A8_DYNAMIC")
+
+
+def test_smoothing_keeps_the_float_models_function(llama_with_tokenizer):
+    """SmoothQuant divides inputs by s and multiplies weight columns by s, folding
+    the division into the norms, V and up: the float model computes the same
+    logits, while the largest input channel shrinks."""
+    from services.worker.quantize import smooth
+
+    model, _ = llama_with_tokenizer
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    config = model.config.to_dict()
+    generator = torch.Generator().manual_seed(3)
+    ranges = {}
+    for name, w in weights.items():
+        if name.endswith("_proj.weight"):
+            high = torch.rand(w.shape[1], generator=generator) * 10 + 0.1
+            high[5] = 300.0  # an outlier channel
+            ranges[name.removesuffix(".weight")] = (-high, high)
+    before = float(ranges["model.layers.0.self_attn.q_proj"][1].max())
+    assert smooth(weights, ranges, config, 0.5) == 2
+    assert float(ranges["model.layers.0.self_attn.q_proj"][1].max()) < before / 10
+    smoothed = type(model)(model.config).eval()
+    smoothed.load_state_dict(weights, strict=True)
+    ids = torch.randint(0, 1000, (1, 17), generator=generator)
+    with torch.inference_mode():
+        torch.testing.assert_close(smoothed(ids).logits, model(ids).logits, atol=2e-4, rtol=2e-4)
 
 
 # --- pieces -------------------------------------------------------------------

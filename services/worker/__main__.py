@@ -52,7 +52,12 @@ async def serve(config: WorkerConfig, log: logging.Logger) -> None:
     )
     # Listen first (health answers NOT_SERVING while loading), then load off the loop.
     await service.start()
-    await servicer.load(functools.partial(load_runner, config))
+    try:
+        await servicer.load(functools.partial(load_runner, config))
+    except ValueError as exc:  # a model, format or setting refused by name: one line, not a traceback
+        log.critical("cannot serve %s: %s", config.model_path or "the bundled model", exc)
+        await service.server.stop(0)
+        raise SystemExit(2) from None
     await service.set_serving(True)
     log.info("serving on port %d", service.port)
     await service.serve_forever(servicer.is_idle, DRAIN_SETTLE_S)

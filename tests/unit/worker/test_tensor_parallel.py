@@ -138,6 +138,24 @@ def test_two_ranks_of_tiny_models_give_one_ranks_logprobs(name: str, tmp_path: P
     _assert_same_logprobs(together, _logprobs(alone, sequences, VOCAB), VOCAB)
 
 
+def test_two_ranks_of_a_quantized_checkpoint_give_one_ranks_logprobs(tmp_path: Path):
+    """DeepSeek-style FP8 blocks (partial at the edges): each rank splits the
+    weights the blocks and their scales stand for."""
+    from safetensors.torch import load_file
+
+    from tests import quantized_models
+
+    source = _tiny_model("qwen3-bias-untied", tmp_path / "float")
+    stored, _, config = quantized_models.fp8_blocks(load_file(source / "model.safetensors"), block=48)
+    model_path = quantized_models.write(tmp_path / "fp8", source, stored, quantization=config)
+    sequences = torch.randint(0, VOCAB, (3, 37), generator=torch.Generator().manual_seed(1)).tolist()
+    alone = ModelRunner(model_path, select_platform("cpu"), "float32", block_size=4, kv_cache_bytes=16 * 2**20,
+                        max_batch_size=8)
+    with _group(model_path) as group_runner:
+        together = _logprobs(group_runner, sequences, VOCAB)
+    _assert_same_logprobs(together, _logprobs(alone, sequences, VOCAB), VOCAB)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_two_ranks_of_moe_models_split_experts_and_give_one_ranks_logprobs(family: str, tmp_path: Path):
     """Expert parallelism: each rank runs half the routed experts (the shared

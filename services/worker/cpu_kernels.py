@@ -416,7 +416,8 @@ class QuantizedLinear:
         self._packed = packed
         self._out_features, self._in_features = out_features, in_features
         self._bias = None if bias is None else bias.detach().float().contiguous()
-        self._extra = extra  # trailing arguments (W8A8: its static input quantisation, or None)
+        self._extra = extra  # trailing arguments (W8A8: its static input quantisation, or None), kept alive
+        self._extra_args = tuple(None if t is None else t.data_ptr() for t in extra)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         if x.dtype not in (torch.bfloat16, torch.float32) or (residual is not None and residual.dtype != x.dtype):
@@ -437,8 +438,7 @@ class QuantizedLinear:
         status = self._function(
             x.data_ptr(), self._packed.data_ptr(), None if self._bias is None else self._bias.data_ptr(),
             None if residual is None else residual.data_ptr(), out.data_ptr(),
-            rows, self._out_features, self._in_features, int(x.dtype == torch.bfloat16),
-            *(None if t is None else t.data_ptr() for t in self._extra),
+            rows, self._out_features, self._in_features, int(x.dtype == torch.bfloat16), *self._extra_args,
         )
         if status != 0:
             raise MemoryError("int8 linear kernel: out of memory for the quantised activations")

@@ -80,7 +80,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--intermediate", type=int, default=1536)
     parser.add_argument("--qkv", type=int, default=960)
     parser.add_argument("--vocab", type=int, default=49152)
+    parser.add_argument("--threads", type=int, default=0, help="torch's (and the kernels') threads; 0: as set")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     linears = shapes(args)
     generator = torch.Generator().manual_seed(0)
     print(cpu_line())

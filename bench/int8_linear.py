@@ -36,7 +36,8 @@ def percentile_90(values: list[float]) -> float:
 def cpu_line() -> str:
     model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                  "unknown CPU")
-    flags = [flag for flag in ("avx512_vnni", "avx512_bf16", "avx_vnni", "avx2", "amx_int8") if cpu_kernels.cpu_has(flag)]
+    flags = [flag for flag in ("avx512_vnni", "avx512_bf16", "avx_vnni", "avx2", "amx_int8")
+             if cpu_kernels.cpu_has(flag)]
     return f"{model}; flags {' '.join(flags) or 'none of avx512_vnni avx512_bf16 avx_vnni avx2'}; " \
            f"{torch.get_num_threads()} threads"
 

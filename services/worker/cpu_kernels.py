@@ -471,7 +471,7 @@ def packed_int8_linear(weight: torch.Tensor, weight_scale: torch.Tensor, bias: t
                        library: ctypes.CDLL | None = None) -> QuantizedLinear | None:
     """int8.c's W8A8 kernel for int8 `weight` [out, in] with a float `weight_scale`
     per output [out], or None where there is none: not int8, out not a multiple
-    of 16 or in of 32, or no kernel built (int8_linear_available).
+    of 16 or in of 32 (or over 65536), or no kernel built (int8_linear_available).
 
     static None (dynamic): per row s = max |x| / 127, xq = round(x / s) in
     [-127, 127], y = s * weight_scale * (xq @ weight.T + quant_bias) + bias.

@@ -6,6 +6,7 @@ step off, or one saturated sum, is far outside that."""
 from __future__ import annotations
 
 import functools
+import os
 import shutil
 
 import pytest
@@ -32,7 +33,7 @@ def _build(variant: str):
 
 def library(variant: str):
     flags, needs = VARIANTS[variant]
-    if shutil.which("cc") is None and not __import__("os").environ.get("CC"):
+    if shutil.which("cc") is None and not os.environ.get("CC"):
         pytest.skip("no C compiler")
     missing = [flag for flag in needs if not cpu_kernels.cpu_has(flag)]
     if missing:

@@ -81,7 +81,9 @@ INLINE ivec round_int(fvec v) { return (ivec)_mm512_cvtps_epi32((__m512)v); } /*
 INLINE fvec vmax(fvec a, fvec b) { return (fvec)_mm512_max_ps((__m512)a, (__m512)b); }
 INLINE float hmax(fvec v) { return _mm512_reduce_max_ps((__m512)v); }
 /* acc + the 4 products of unsigned bytes u and signed bytes s in each lane. */
-INLINE ivec dot_u8s8(ivec acc, ivec u, ivec s) { return (ivec)_mm512_dpbusd_epi32(VEC_INT(acc), VEC_INT(u), VEC_INT(s)); }
+INLINE ivec dot_u8s8(ivec acc, ivec u, ivec s) {
+    return (ivec)_mm512_dpbusd_epi32(VEC_INT(acc), VEC_INT(u), VEC_INT(s));
+}
 #else
 #define VEC_INT(v) ((__m256i)(v))
 INLINE ivec round_int(fvec v) { return (ivec)_mm256_cvtps_epi32((__m256)v); }
@@ -92,7 +94,9 @@ INLINE float hmax(fvec v) {
     return b[0] > b[1] ? b[0] : b[1];
 }
 #if I8_VNNI
-INLINE ivec dot_u8s8(ivec acc, ivec u, ivec s) { return (ivec)_mm256_dpbusd_avx_epi32(VEC_INT(acc), VEC_INT(u), VEC_INT(s)); }
+INLINE ivec dot_u8s8(ivec acc, ivec u, ivec s) {
+    return (ivec)_mm256_dpbusd_avx_epi32(VEC_INT(acc), VEC_INT(u), VEC_INT(s));
+}
 #endif
 #endif
 
@@ -188,8 +192,10 @@ _Static_assert(W8_TILE_VECS >= 2 && W8_TILE_VECS <= 4, "linear_w8a8 unrolls 2 to
 #define W8_PREFETCH 4096
 #endif
 
+/* int32 sums wrap, and come out exact wherever the true sum fits: up to k =
+ * 2^17 products of at most 2^14 (a margin left for the int32 bias). */
 int64_t w8a8_packed_bytes(int64_t n, int64_t k) {
-    return n <= 0 || k <= 0 || n % I8_BLOCK || k % I8_GROUP ? -1 : n * k + n * 8;
+    return n <= 0 || k <= 0 || n % I8_BLOCK || k % I8_GROUP || k > 65536 ? -1 : n * k + n * 8;
 }
 
 /* weight [n, k] int8, scale [n] float32, quant_bias [n] int32 (or NULL) ->
@@ -258,7 +264,8 @@ INLINE void w8_tile(const w8_act *xq, const float *row_scale, const int8_t *w, i
     for (int i = 0; i < rows; i++)
         for (int j = 0; j < vecs; j++) acc[i][j] = (ivec){0};
     const int8_t *wv_at[W8_TILE_VECS];
-    for (int j = 0; j < vecs; j++) wv_at[j] = w + (half + j) / HALVES * I8_BLOCK * k + (half + j) % HALVES * I8_VL * W8_STEP;
+    for (int j = 0; j < vecs; j++)
+        wv_at[j] = w + (half + j) / HALVES * I8_BLOCK * k + (half + j) % HALVES * I8_VL * W8_STEP;
     for (int64_t s = 0; s < k / W8_STEP; s++) {
         ivec wv[W8_TILE_VECS];
         if (prefetch)

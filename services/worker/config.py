@@ -49,8 +49,8 @@ class WorkerConfig(InternalTlsSettings):
     health_port: int = health_port_setting()
     activations: str = setting(
         "auto", "activations of 4-bit weights on CPU (a Q4 GGUF, AWQ, GPTQ, W4A16): int8 (quantized per row "
-        "and group of 32, integer dot products, as llama.cpp does), bfloat16, or auto (int8 on CPUs without "
-        "AVX512_BF16)")
+        "and group of 32, integer dot products, as llama.cpp does), bfloat16, or auto (int8 where the CPU has "
+        "AVX2 or VNNI and a C compiler built the kernels)")
     speculative_method: str = setting(
         "off", "the scheduler's setting of the same name; mtp: load the checkpoint's multi-token prediction "
         "module and return its draft with each sampled token")

@@ -50,8 +50,14 @@ _Q4_MAX_ROWS = 4
 # 4.5 against 10.2 ms at 1 row, 7.0 against 11.2 at 8, 9.9 against 13.1 at 12,
 # level at 16. Torch's int4 kernel: 4.9 ms at 1 row, 14.1 at 8.
 _Q4_MAX_ROWS_AVX512 = 12
-# With int8 activations (set_activations), int8.c's W4A8 kernel up to this many rows.
-_Q4A8_MAX_ROWS = 12
+# With int8 activations (set_activations), int8.c's W4A8 kernel runs exactly-4-bit
+# weights at every step size: the bundled model's linears (30 layers and lm_head,
+# weights from memory, bench/int8_linear.py, 2-core Xeon with AVX512-VNNI) take
+# 0.52, 0.53, 0.44 and 0.34 times the bfloat16 kernel's time at 1, 4, 8 and 32
+# rows, and 0.88, 0.72, 0.49 and 0.33 times the 4-bit one's; the AVX2 build
+# 0.32, 0.35, 0.38 and 0.48 times linear.c's AVX2 bfloat16 kernel. On a CPU with
+# AMX (not measured here) oneDNN's bfloat16 tiles take steps of more rows than this.
+_Q4A8_MAX_ROWS_AMX = 32
 
 
 @functools.cache
@@ -64,13 +70,11 @@ def cpu_computes_bfloat16() -> bool:
 
 
 def int8_activations_default() -> str:
-    """What `auto` picks: int8 where the W4A8 kernel is built and the CPU has no
-    AVX512_BF16 (on AVX2, bfloat16 activations cost a conversion and a float FMA
-    per weight; see _Q4A8_MAX_ROWS), bfloat16 where vdpbf16ps runs the 4-bit
-    kernel as fast."""
-    if cpu_kernels.q4a8_linear_available() and not cpu_kernels.cpu_has("avx512_bf16"):
-        return "int8"
-    return "bfloat16"
+    """What `auto` picks: int8 wherever int8.c's W4A8 kernel is built (AVX2,
+    AVX-VNNI or AVX512-VNNI), which runs the 4-bit weights faster than bfloat16
+    activations at every step size measured (see _Q4A8_MAX_ROWS_AMX) for a
+    perplexity within 0.5 % of theirs on the bundled model (bench/quant_quality.py)."""
+    return "int8" if cpu_kernels.q4a8_linear_available() else "bfloat16"
 
 
 class CpuAttention:
@@ -105,8 +109,7 @@ class CpuPlatform(Platform):
         """`int8`: exactly-4-bit weights (Q4 GGUF, AWQ, GPTQ, W4A16) run on int8.c's
         W4A8 kernel, their activations quantized per row and group of 32 as
         llama.cpp does; `bfloat16`: on linear.c's 4-bit kernel with bfloat16
-        activations; `auto`: int8 where the CPU has no AVX512_BF16 (see
-        int8_activations_default)."""
+        activations; `auto`: int8 where the kernel is built (int8_activations_default)."""
         if activations == "int8" and not cpu_kernels.q4a8_linear_available():
             raise ValueError("activations int8 needs int8.c's kernels: a C compiler and a CPU with AVX2 or VNNI")
         chosen = activations if activations != "auto" else int8_activations_default()
@@ -150,8 +153,15 @@ class CpuPlatform(Platform):
             four_bit = weight.codes, weight.scale, weight.low
         weight = as_float(weight).detach()
         bias = None if bias is None else bias.detach()
+        amx = torch.cpu._is_amx_tile_supported()
+        if self.int8_activations and weight.dtype == torch.bfloat16 and not amx:
+            # W4A8 for every step size: no bfloat16 copy of the weight is kept.
+            four_bit = four_bit or int4.four_bit_codes(weight)
+            w4a8 = None if four_bit is None else cpu_kernels.packed_q4a8_linear(*four_bit, bias)
+            if w4a8 is not None:
+                return w4a8
         # With AMX, oneDNN's tile kernels outrun anything built on vdpbf16ps.
-        packed_kernel = None if torch.cpu._is_amx_tile_supported() else cpu_kernels.packed_linear(weight, bias)
+        packed_kernel = None if amx else cpu_kernels.packed_linear(weight, bias)
         prepacks = weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and cpu_computes_bfloat16())
         if packed_kernel is not None:
             batched: Linear = packed_kernel
@@ -174,8 +184,8 @@ class CpuPlatform(Platform):
         if four_bit is None:
             return batched
         small = cpu_kernels.packed_q4a8_linear(*four_bit, bias) if self.int8_activations else None
-        if small is not None:
-            int4_max_rows = _Q4A8_MAX_ROWS
+        if small is not None:  # AMX: its bfloat16 tiles for larger steps
+            int4_max_rows = _Q4A8_MAX_ROWS_AMX
         elif (small := cpu_kernels.packed_q4_linear(*four_bit, bias)) is not None:
             int4_max_rows = _Q4_MAX_ROWS_AVX512 if cpu_kernels.cpu_has("avx512_bf16") else _Q4_MAX_ROWS
         elif native:

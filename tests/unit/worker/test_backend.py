@@ -126,3 +126,49 @@ def test_auto_dtype_is_bfloat16_only_where_the_cpu_runs_it_fast():
     native = cpu_computes_bfloat16() or cpu_kernels.bfloat16_linear_available()
     assert cpu.resolve_dtype("auto") == ("bfloat16" if native else "float32")
     assert [cpu.resolve_dtype(name) for name in ("bfloat16", "float16", "float32")] == ["bfloat16", "float16", "float32"]
+
+
+def _spanning_four_bit_weight(out_features: int, in_features: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(5)
+    codes = torch.randint(0, 16, (out_features, in_features), generator=generator).float()
+    groups = in_features // 32
+    scale = (torch.rand(out_features, groups, generator=generator) * 0.01 + 0.01).repeat_interleave(32, 1)
+    low = -8 * scale  # values around zero, as a Q4_0 block's
+    codes[:, ::32], codes[:, 1::32] = 0, 15  # every group spans its 16 levels
+    return (codes * scale + low).to(torch.bfloat16)
+
+
+@pytest.mark.skipif(not cpu_kernels.q4a8_linear_available(), reason="int8.c's kernels are not built here")
+def test_int8_activations_run_4bit_weights_on_the_w4a8_kernel_at_every_step_size():
+    from services.worker.platforms.cpu import CpuPlatform
+
+    weight = _spanning_four_bit_weight(64, 128)
+    platform = CpuPlatform(torch.device("cpu"))
+    platform.set_activations("int8")
+    linear = platform.linear(weight, None)
+    if not torch.cpu._is_amx_tile_supported():
+        assert isinstance(linear, cpu_kernels.QuantizedLinear)  # no bfloat16 copy for larger steps
+    for rows in (1, 40):
+        x = torch.randn(rows, 128).to(torch.bfloat16)
+        exact = x.float() @ weight.float().t()
+        # Activations rounded to int8 per group of 32: about 1 % of a product's size.
+        assert (linear(x).float() - exact).abs().max() < 0.02 * exact.abs().max()
+    platform.set_activations("bfloat16")
+    assert not isinstance(platform.linear(weight, None), cpu_kernels.QuantizedLinear)
+
+
+def test_int8_activations_are_a_cpu_setting(monkeypatch):
+    from services.worker.platforms.base import Platform
+    from services.worker.platforms.cpu import CpuPlatform
+
+    class Other(Platform):
+        name = "other"
+
+    with pytest.raises(ValueError, match="CPU only, not other"):
+        Other(torch.device("cpu")).set_activations("int8")
+    monkeypatch.setattr(cpu_kernels, "q4a8_linear_available", lambda library=None: False)
+    platform = CpuPlatform(torch.device("cpu"))
+    with pytest.raises(ValueError, match="int8.c's kernels"):
+        platform.set_activations("int8")
+    platform.set_activations("auto")  # falls back where nothing is built
+    assert not platform.int8_activations

@@ -84,7 +84,7 @@ class Checkpoint:
         if quantized is not None:
             prefix, part = quantized
             if part == "weight":
-                tensor = quantization.dequantize(self.scheme.load(prefix, self.stored, self._where.__contains__))
+                tensor = quantization.as_float(self.scheme.load(prefix, self.stored, self._where.__contains__))
             else:
                 tensor = self.scheme.bias(prefix, self.stored, self._where.__contains__)
             return tensor.to(dtype=self.dtype, device=self.device)

@@ -14,8 +14,10 @@ linear is then read from its stored tensors as one of:
   inputs (AWQ, GPTQ without act-order, W4A16, compressed-tensors int4, with a
   group size that is a multiple of 32: a group of 128 is four groups of 32 with
   the same scale), which CPU 4-bit kernels take as they are.
-- a float weight, dequantized exactly from the stored tensors (FP8 blocks, GPTQ
-  with act-order, anything a platform has no kernel for).
+- `Fp8BlockWeight`: DeepSeek's FP8 blocks as stored, which CUDA's block-scaled
+  FP8 GEMM takes (platforms/cuda_fp8.py);
+- a float weight, dequantized exactly from the stored tensors (GPTQ with
+  act-order, anything a platform has no kernel for).
 
 `Checkpoint` answers `name.weight` of every quantized linear with its
 dequantized float weight, so every path that reads float weights (MLA, experts,
@@ -107,11 +109,30 @@ class FourBitWeight:
                              parts[0].dtype)
 
 
-QuantizedWeight = Int8Weight | FourBitWeight
+@dataclass(frozen=True)
+class Fp8BlockWeight:
+    """DeepSeek's FP8: weight = fp8 · scale per block of block[0] outputs × block[1] inputs."""
+
+    weight: torch.Tensor  # float8_e4m3fn [out, in]
+    scale: torch.Tensor  # float32 [ceil(out / block[0]), ceil(in / block[1])]
+    block: tuple[int, int]
+    dtype: torch.dtype = torch.float32  # the activations' (the run's)
+
+    def dequantize(self) -> torch.Tensor:
+        rows, cols = self.weight.shape
+        scale = self.scale.repeat_interleave(self.block[0], 0)[:rows].repeat_interleave(self.block[1], 1)[:, :cols]
+        return self.weight.float() * scale
+
+    @staticmethod
+    def cat(parts: list[Fp8BlockWeight]) -> Fp8BlockWeight | None:
+        """Row blocks side by side where each part fills whole blocks of rows."""
+        if any(p.block != parts[0].block or p.weight.shape[0] % p.block[0] for p in parts[:-1]):
+            return None
+        return Fp8BlockWeight(torch.cat([p.weight for p in parts]), torch.cat([p.scale for p in parts]),
+                              parts[0].block, parts[0].dtype)
 
 
-def dequantize(weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
-    return weight if isinstance(weight, torch.Tensor) else weight.dequantize()
+QuantizedWeight = Int8Weight | FourBitWeight | Fp8BlockWeight
 
 
 def as_float(weight: torch.Tensor | QuantizedWeight, device: torch.device | None = None) -> torch.Tensor:
@@ -131,17 +152,6 @@ def unpack_int32(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
         return unpack_int32(packed.t(), bits, 1).t()
     shifts = torch.arange(0, 32, bits, dtype=torch.int32)
     return ((packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).flatten(-2)
-
-
-def pack_int32(values: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
-    """The inverse of unpack_int32: unsigned values (< 2**bits) packed along `dim`."""
-    per_word = 32 // bits
-    if dim == 0:
-        return pack_int32(values.t(), bits, 1).t().contiguous()
-    words = values.to(torch.int64).view(*values.shape[:-1], -1, per_word)
-    shifts = torch.arange(0, 32, bits, dtype=torch.int64)
-    packed = (words << shifts).sum(-1)
-    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
 
 
 def _grouped(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int) -> FourBitWeight | torch.Tensor:
@@ -297,7 +307,10 @@ class Fp8(Scheme):
             raise self.refuse(prefix, f"weight stored as {weight.dtype}, not float8_e4m3fn")
         inverse = has(prefix + ".weight_scale_inv")
         scale = read(prefix + (".weight_scale_inv" if inverse else ".weight_scale")).float()
-        return weight.float() * _broadcast_scale(scale, weight.shape, self.block, lambda why: self.refuse(prefix, why))
+        expanded = _broadcast_scale(scale, weight.shape, self.block, lambda why: self.refuse(prefix, why))
+        if self.block and scale.dim() == 2 and scale.shape != (weight.shape[0], 1):
+            return Fp8BlockWeight(weight, scale, tuple(self.block))
+        return weight.float() * expanded
 
 
 def _broadcast_scale(scale: torch.Tensor, shape, block, refuse) -> torch.Tensor:
@@ -504,4 +517,8 @@ def linear_weight(weights, prefixes: list[str]) -> torch.Tensor | QuantizedWeigh
             return fused
     if all(isinstance(p, FourBitWeight) for p in parts):
         return FourBitWeight.cat(parts)
+    if all(isinstance(p, Fp8BlockWeight) for p in parts):
+        fused = Fp8BlockWeight.cat(parts)
+        if fused is not None:
+            return fused
     return torch.cat([weights[p + ".weight"] for p in prefixes])

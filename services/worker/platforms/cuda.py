@@ -17,7 +17,8 @@ block_table, seqused_k or enable_gqa), every pool attends through SDPA.
 
 Mixture-of-experts layers run their experts on torch's grouped GEMM
 (F.grouped_mm / torch._grouped_mm, bfloat16, sm80+ / sm90) where it exists.
-Like the rest of this file, never run on a GPU here.
+DeepSeek's FP8 blocks run on the block-scaled FP8 GEMM (cuda_fp8.py). Like
+the rest of this file, never run on a GPU here.
 """
 from __future__ import annotations
 
@@ -31,8 +32,10 @@ import torch
 import torch.nn.functional as F
 
 from services.worker.attention import StepSequences, write_kv_by_slot
-from services.worker.platforms.base import Platform
+from services.worker.platforms.base import Linear, Platform
+from services.worker.platforms.cuda_fp8 import fp8_block_linear
 from services.worker.platforms.moe_ops import MoeExperts, SortedExperts
+from services.worker.quantization import Fp8BlockWeight, QuantizedWeight
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +120,15 @@ class CudaPlatform(Platform):
 
     def set_device(self, local_rank: int) -> None:
         torch.cuda.set_device(local_rank)
+
+    def linear(self, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None) -> Linear:
+        """DeepSeek's FP8 blocks on the block-scaled FP8 GEMM where the device runs
+        it (cuda_fp8.py); other quantized weights run dequantized."""
+        if isinstance(weight, Fp8BlockWeight):
+            fp8 = fp8_block_linear(weight, bias, self.device)
+            if fp8 is not None:
+                return fp8
+        return super().linear(weight, bias)
 
     def paged_attention(self, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
                         block_size: int) -> VarlenAttention | None:

@@ -307,12 +307,11 @@ def test_smoothing_keeps_the_float_models_function(llama_with_tokenizer):
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-def test_int32_packing_round_trips(bits):
+def test_int32_words_unpack_lowest_bits_first(bits):
     values = torch.randint(0, 2**bits, (16, 64), dtype=torch.int32)
-    for dim in (0, 1):
-        packed = quantization.pack_int32(values, bits, dim)
-        assert packed.dtype == torch.int32
-        assert torch.equal(quantization.unpack_int32(packed, bits, dim), values)
+    packed = quantized_models._words(values, bits)  # [16, 64 · bits / 32]
+    assert torch.equal(quantization.unpack_int32(packed, bits, 1), values)
+    assert torch.equal(quantization.unpack_int32(packed.t().contiguous(), bits, 0), values.t())
 
 
 def test_four_bit_groups_of_128_are_four_groups_of_32():

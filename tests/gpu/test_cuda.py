@@ -408,3 +408,28 @@ def test_drafted_decoding_gives_the_tokens_of_plain_decoding(request, device_run
         return
     for name, (got, _) in outcomes.items():
         assert_agree_up_to_a_near_tie(got, expected, margins, NEAR_TIE[dtype], f"drafts {name}")
+
+
+@needs_cuda
+def test_fp8_blocks_run_on_the_block_scaled_gemm():
+    """DeepSeek's FP8 blocks (platforms/cuda_fp8.py): the probe finds a scale
+    layout the device takes (Hopper, torch 2.9+; otherwise the weights run
+    dequantized and this says so), and the linear is within FP8 activation
+    rounding of the dequantized product."""
+    from services.worker.platforms import cuda_fp8
+    from services.worker.quantization import Fp8BlockWeight
+
+    device = torch.device("cuda")
+    layout = cuda_fp8.scale_layout(device, torch.bfloat16)
+    print(json.dumps({"fp8_block_scale_layout": layout, "torch": torch.__version__}))
+    if layout is None:
+        pytest.skip(f"no block-scaled FP8 GEMM on {torch.cuda.get_device_name()} with torch {torch.__version__}")
+    generator = torch.Generator().manual_seed(0)
+    weight = Fp8BlockWeight((torch.randn(512, 768, generator=generator) * 0.05).to(torch.float8_e4m3fn),
+                            torch.rand(4, 6, generator=generator) + 0.5, (128, 128), torch.bfloat16)
+    linear = cuda_fp8.fp8_block_linear(weight, None, device)
+    x = torch.randn(7, 768, generator=generator).to(device=device, dtype=torch.bfloat16)
+    expected = x.float() @ weight.dequantize().to(device).t()
+    error = float((linear(x).float() - expected).norm() / expected.norm())
+    print(json.dumps({"fp8_block_relative_error": error}))
+    assert error < 0.05

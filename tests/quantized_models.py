@@ -151,6 +151,32 @@ def modelslim_w4a16(state: dict[str, torch.Tensor], group_size: int = 32):
     return stored, reference, description
 
 
+def modelslim_w8a8_static(state: dict[str, torch.Tensor], input_scale: float = 0.05, input_offset: int = 3):
+    """msModelSlim W8A8 with one fixed input scale and offset for every linear (no
+    calibration): int8 weights per row, deq_scale, and quant_bias =
+    round(bias / deq_scale) − input_offset · Σ weight, the float bias dropped."""
+    stored = dict(state)
+    description = {"model_quant_type": "W8A8"}
+    for name in linear_names(state):
+        prefix = name.removesuffix(".weight")
+        weight = stored.pop(name).float()
+        scale = weight.abs().amax(1) / 127
+        q = (weight / scale[:, None]).round().clamp(-127, 127)
+        deq = scale * input_scale
+        bias = stored.pop(prefix + ".bias", torch.zeros(weight.shape[0])).float()
+        quant_bias = (bias / deq).round() - input_offset * q.sum(1)
+        parts = {"weight": q.to(torch.int8), "input_scale": torch.tensor([input_scale]),
+                 "input_offset": torch.tensor([float(input_offset)]), "deq_scale": deq,
+                 "quant_bias": quant_bias.to(torch.int32), "weight_scale": scale[:, None],
+                 "weight_offset": torch.zeros(weight.shape[0], 1)}
+        for part, tensor in parts.items():
+            stored[f"{prefix}.{part}"] = tensor
+            description[f"{prefix}.{part}"] = "W8A8"
+    for name in stored:
+        description.setdefault(name, "FLOAT")
+    return stored, description
+
+
 def compressed_tensors(state: dict[str, torch.Tensor], kind: str):
     """Through the compressed-tensors package: "int4" (pack-quantized, symmetric,
     groups of 32), "int8" (int-quantized per channel, dynamic per-token int8

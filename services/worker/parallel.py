@@ -53,6 +53,7 @@ import torch.distributed as dist
 
 from services.common.supervisor import SUPERVISOR_PID_ENV, exit_reason, free_port
 from services.worker.platforms import Platform
+from services.worker.quantization import GROUP, Fp8BlockWeight, Int8Weight, QuantizedWeight
 from services.worker.sequence import SequenceInput
 
 log = logging.getLogger(__name__)
@@ -352,6 +353,44 @@ class ShardedWeights(Mapping):
             return tensor
         raise ValueError(f"tensor parallelism cannot split {name} {tuple(tensor.shape)}: it splits "
                          "q/k/v_proj, o_proj, gate/up/down_proj, embed_tokens and lm_head, and copies norms")
+
+    def quantized(self, prefix: str) -> QuantizedWeight | None:
+        """This rank's shard of the linear `prefix` as the checkpoint quantized it
+        (quantization.linear_weight), or None where the checkpoint cannot say or
+        the shard does not fall on its groups or blocks (then the float weight is
+        split). Column-parallel linears keep their output rows, row-parallel ones
+        their input columns: an int8 weight's per-row scales and a static scale
+        stay whole, so each rank's partial sum is its share of the product, and
+        the float bias (with a static format's offset share per rank) stays on rank 0."""
+        quantized = getattr(self._weights, "quantized", None)
+        weight = quantized(prefix) if quantized is not None else None
+        if weight is None or isinstance(weight, Fp8BlockWeight):
+            return None
+        heads, dim = self.heads, self._head_dim
+        module = prefix.rsplit(".", 1)[-1]
+        if module == "q_proj":
+            rows = (heads.first_head * dim, (heads.first_head + heads.num_heads) * dim)
+        elif module in ("k_proj", "v_proj"):
+            rows = (heads.first_kv_head * dim, (heads.first_kv_head + heads.num_kv_heads) * dim)
+        elif module in ("gate_proj", "up_proj", "down_proj"):
+            rows = self.mlp_rows
+        elif module == "o_proj":
+            rows = (heads.first_head * dim, (heads.first_head + heads.num_heads) * dim)
+        else:
+            return None
+        start, length = rows[0], rows[1] - rows[0]
+        if module not in ROW_PARALLEL:  # output rows
+            if isinstance(weight, Int8Weight):
+                return dataclasses.replace(weight, q=weight.q[start:start + length], scale=weight.scale[start:start + length])
+            return dataclasses.replace(weight, codes=weight.codes[start:start + length],
+                                       scale=weight.scale[start:start + length], low=weight.low[start:start + length])
+        if isinstance(weight, Int8Weight):  # input columns
+            return dataclasses.replace(weight, q=weight.q[:, start:start + length].contiguous())
+        if start % GROUP or length % GROUP:
+            return None
+        groups = slice(start // GROUP, (start + length) // GROUP)
+        return dataclasses.replace(weight, codes=weight.codes[:, start:start + length].contiguous(),
+                                   scale=weight.scale[:, groups].contiguous(), low=weight.low[:, groups].contiguous())
 
     def _check(self, name: str, tensor: torch.Tensor, dim: int, size: str) -> None:
         if tensor.dim() <= dim or tensor.shape[dim] != self._sizes[size]:

@@ -114,9 +114,9 @@ def test_two_ranks_give_one_ranks_logprobs(runner, model_dir):
     _assert_same_logprobs(together, _logprobs(runner, sequences, 50), 50)
 
 
-def _tiny_model(name: str, directory: Path) -> Path:
+def _tiny_model(config, directory: Path) -> Path:
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(TINY[name](), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for parameter in model.parameters():  # biases and norms too, which transformers starts at 0 and 1
             parameter.normal_(0.0, 0.2)
@@ -127,7 +127,7 @@ def _tiny_model(name: str, directory: Path) -> Path:
 @pytest.mark.parametrize("name", sorted(TINY))
 def test_two_ranks_of_tiny_models_give_one_ranks_logprobs(name: str, tmp_path: Path):
     """Every token's log-prob (the whole vocabulary)."""
-    model_path = _tiny_model(name, tmp_path)
+    model_path = _tiny_model(TINY[name](), tmp_path)
     sequences = torch.randint(0, VOCAB, (3, 37), generator=torch.Generator().manual_seed(1)).tolist()
     alone = ModelRunner(model_path, select_platform("cpu"), "float32", block_size=4, kv_cache_bytes=16 * 2**20,
                         max_batch_size=8)
@@ -145,13 +145,43 @@ def test_two_ranks_of_a_quantized_checkpoint_give_one_ranks_logprobs(tmp_path: P
 
     from tests import quantized_models
 
-    source = _tiny_model("qwen3-bias-untied", tmp_path / "float")
+    source = _tiny_model(TINY["qwen3-bias-untied"](), tmp_path / "float")
     stored, _, config = quantized_models.fp8_blocks(load_file(source / "model.safetensors"), block=48)
     model_path = quantized_models.write(tmp_path / "fp8", source, stored, quantization=config)
     sequences = torch.randint(0, VOCAB, (3, 37), generator=torch.Generator().manual_seed(1)).tolist()
     alone = ModelRunner(model_path, select_platform("cpu"), "float32", block_size=4, kv_cache_bytes=16 * 2**20,
                         max_batch_size=8)
     with _group(model_path) as group_runner:
+        together = _logprobs(group_runner, sequences, VOCAB)
+    _assert_same_logprobs(together, _logprobs(alone, sequences, VOCAB), VOCAB)
+
+
+def test_two_ranks_of_a_static_w8a8_checkpoint_run_their_int8_shards(tmp_path: Path):
+    """msModelSlim W8A8 with calibrated (fixed) input scales: each rank runs its
+    rows of Q/K/V and gate/up and its input columns of o_proj and down on the
+    integer kernels, the offset's share of each partial sum its own and the
+    biases on rank 0; static activations quantize alike on both ranks, so the
+    group gives one rank's log-probs."""
+    from safetensors.torch import load_file
+
+    from services.worker import cpu_kernels
+    from tests import quantized_models
+
+    if not cpu_kernels.int8_linear_available():
+        pytest.skip("int8.c's kernels are not built here")
+    # MLP rows split in halves of 64: whole groups of 32 inputs for down's kernel.
+    config = Qwen3Config(**{**SMALL, "intermediate_size": 128}, head_dim=32, attention_bias=True,
+                         tie_word_embeddings=False)
+    source = _tiny_model(config, tmp_path / "float")
+    stored, description = quantized_models.modelslim_w8a8_static(load_file(source / "model.safetensors"))
+    model_path = quantized_models.write(tmp_path / "w8a8", source, stored, description=description)
+    sequences = torch.randint(0, VOCAB, (3, 37), generator=torch.Generator().manual_seed(1)).tolist()
+    alone = ModelRunner(model_path, select_platform("cpu"), "float32", block_size=4, kv_cache_bytes=16 * 2**20,
+                        max_batch_size=8)
+    with _group(model_path) as group_runner:
+        layer = group_runner.decoder.layers[1]
+        assert all(isinstance(linear, cpu_kernels.QuantizedLinear)
+                   for linear in (layer.attention.qkv, layer.mlp.gate_up))
         together = _logprobs(group_runner, sequences, VOCAB)
     _assert_same_logprobs(together, _logprobs(alone, sequences, VOCAB), VOCAB)
 

@@ -124,7 +124,11 @@ def draw_endpoints(fig: Figure, fs: dict) -> str:
     rows = records(fs)
     endpoints = list(dict.fromkeys(r["endpoint"] for r in rows))
     workloads = list(dict.fromkeys(r["workload"] for r in rows))
-    colors = (GREY, OURS, PEER, PEER_2)
+    # The baseline grey, ours blue, peers orange; `ours` names more than one of ours.
+    ours = fs.get("ours", endpoints[1:2])
+    peers = iter((PEER, PEER_2))
+    colors = [GREY if e == endpoints[0] else (OURS, ENGINE)[ours.index(e)] if e in ours else next(peers)
+              for e in endpoints]
     ax_tps, ax_ttft = fig.subplots(1, 2, gridspec_kw={"width_ratios": (3, 2)})
     width = 0.8 / len(endpoints)
     for i, (endpoint, color) in enumerate(zip(endpoints, colors)):
@@ -133,10 +137,10 @@ def draw_endpoints(fig: Figure, fs: dict) -> str:
             x = j + (i - (len(endpoints) - 1) / 2) * width
             ax_tps.bar(x, row["tok_s"], width, color=color, label=endpoint if j == 0 else None)
             _label(ax_tps, x, row["tok_s"], f"×{row['ratio_to_baseline']:.2f}", fontsize=8)
-    ax_tps.set_xticks(range(len(workloads)), [f"{w} prompts" for w in workloads])
-    ax_tps.set_ylabel("output tokens/s, 1 stream")
+    ax_tps.set_xticks(range(len(workloads)), [fs.get("workload_label", "{} prompts").format(w) for w in workloads])
+    ax_tps.set_ylabel(fs.get("tok_s_label", "output tokens/s, 1 stream"))
     ax_tps.set_ylim(0, max(r["tok_s"] for r in rows) * 1.2)
-    ax_tps.legend(fontsize=8, loc="upper right")
+    ax_tps.legend(fontsize=8, loc=fs.get("legend", "upper right"))
     ax_tps.grid(axis="y", alpha=0.3)
     timed = [r for r in rows if r["ttft_p50_ms"] is not None]
     ax_ttft.barh([r["endpoint"] for r in timed], [r["ttft_p50_ms"] for r in timed],
@@ -145,11 +149,11 @@ def draw_endpoints(fig: Figure, fs: dict) -> str:
         ax_ttft.annotate(f"{r['ttft_p50_ms']:.0f} ms", (r["ttft_p50_ms"], y), xytext=(3, 0),
                          textcoords="offset points", va="center", fontsize=8)
     ax_ttft.invert_yaxis()
-    ax_ttft.set_xlabel(f"TTFT p50 (ms), {timed[0]['workload']} prompts")
+    ax_ttft.set_xlabel(f"TTFT p50 (ms), " + fs.get("workload_label", "{} prompts").format(timed[0]["workload"]))
     ax_ttft.set_xlim(0, max(r["ttft_p50_ms"] for r in timed) * 1.25)
     ax_ttft.tick_params(axis="y", labelsize=8)
     ax_ttft.grid(axis="x", alpha=0.3)
-    fast, slow = endpoints[1], endpoints[-1]
+    fast, slow = ours[0], endpoints[-1]
     versus = ", ".join(f"{workload} {_tok_s(rows, fast, workload) / _tok_s(rows, slow, workload):.1f}×"
                        for workload in workloads)
     return f"×: tokens/s ÷ {fs['baseline']}'s (median of the rounds); {fast} ÷ {slow}: {versus}"

@@ -18,6 +18,10 @@ added back; platforms/moe_ops.py). Where transformers rounds each expert's
 share to the run dtype and adds them there, the routed sum and the shared
 experts are added in float32 and rounded once.
 
+A quantized checkpoint's experts (quantization.py) run as stored where every
+expert of the shard is int8 or 4-bit (FP8 blocks are stacked dequantized): each on the platform's quantized linear
+(Platform.quantized_moe_experts), one call pair per expert with rows.
+
 Checkpoints hold experts one by one (`mlp.experts.{e}.gate_proj.weight`,
 `up_proj`, `down_proj`: what save_pretrained writes) or stacked
 (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]:
@@ -40,6 +44,7 @@ import torch
 
 from services.worker.platforms import Platform
 from services.worker.platforms.moe_ops import ANY_HEAD_DIM, MoeRouting
+from services.worker.quantization import FourBitWeight, Int8Weight, QuantizedWeight, linear_weight
 
 FAMILIES = ("deepseek_v3", "qwen3_moe", "qwen2_moe")
 
@@ -57,13 +62,31 @@ class _SharedExperts:
     without its residual; not imported from there, as decoder.py will import this module)."""
 
     def __init__(self, tensors: Mapping[str, torch.Tensor], prefix: str, platform: Platform):
-        gate = tensors[prefix + "gate_proj.weight"]
-        self.gate_up = platform.linear(torch.cat([gate, tensors[prefix + "up_proj.weight"]]), None)
-        self.down = platform.linear(tensors[prefix + "down_proj.weight"], None)
-        self.silu_mul = platform.layer_ops(gate.dtype, gate.shape[1], gate.shape[0], ANY_HEAD_DIM).silu_mul
+        gate_up = linear_weight(tensors, [prefix + "gate_proj", prefix + "up_proj"])
+        self.gate_up = platform.linear(gate_up, None)
+        self.down = platform.linear(linear_weight(tensors, [prefix + "down_proj"]), None)
+        (intermediate, hidden), dtype = gate_up.shape, gate_up.dtype
+        self.silu_mul = platform.layer_ops(dtype, hidden, intermediate // 2, ANY_HEAD_DIM).silu_mul
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         return self.down(self.silu_mul(self.gate_up(h)))
+
+
+def quantized_experts(tensors: Mapping[str, torch.Tensor], prefix: str,
+                      shard: ExpertShard) -> tuple[list[QuantizedWeight], list[QuantizedWeight]] | None:
+    """The shard's experts as the checkpoint quantized them (gate and up side by
+    side, down), where it stored every one of them so that a platform's quantized
+    linears take them (quantization.linear_weight); None otherwise."""
+    if getattr(tensors, "quantized", None) is None:
+        return None
+    gate_up, down = [], []
+    for expert in range(shard.first, shard.first + shard.count):
+        name = f"{prefix}experts.{expert}."
+        gate_up.append(linear_weight(tensors, [name + "gate_proj", name + "up_proj"]))
+        down.append(linear_weight(tensors, [name + "down_proj"]))
+        if not (isinstance(gate_up[-1], (Int8Weight, FourBitWeight)) and isinstance(down[-1], (Int8Weight, FourBitWeight))):
+            return None  # float, or FP8 blocks: stacked dequantized for the grouped GEMMs
+    return gate_up, down
 
 
 def stacked_experts(tensors: Mapping[str, torch.Tensor], prefix: str,
@@ -140,9 +163,13 @@ class MoE:
             scaling_factor=float(config.routed_scaling_factor) if deepseek else 1.0,
             bias=None if bias is None else bias.float(),
         )
-        gate_up, down = stacked_experts(tensors, prefix, shard)
-        self.experts = platform.moe_experts(gate_up, down, shard.first, num_experts)
-        del gate_up, down  # the platform holds its own layout (or these, for the torch reference)
+        quantized = quantized_experts(tensors, prefix, shard)
+        if quantized is not None:  # run as stored, on the platform's quantized linears
+            self.experts = platform.quantized_moe_experts(*quantized, shard.first, num_experts)
+        else:
+            gate_up, down = stacked_experts(tensors, prefix, shard)
+            self.experts = platform.moe_experts(gate_up, down, shard.first, num_experts)
+            del gate_up, down  # the platform holds its own layout (or these, for the torch reference)
         self.shared: _SharedExperts | None = None
         self.shared_gate = None
         if shard.first == 0:

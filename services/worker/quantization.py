@@ -63,6 +63,11 @@ class Int8Weight:
     static: tuple[float, int] | None = None  # (input_scale, input_offset)
     dtype: torch.dtype = torch.float32  # the activations' (the run's)
 
+    @property
+    def shape(self) -> torch.Size:
+        """[out, in], as the float weight's."""
+        return self.q.shape
+
     def dequantize(self) -> torch.Tensor:
         """The float32 weight whose linear the quantized one computes, up to the
         activations' int8 rounding."""
@@ -98,6 +103,11 @@ class FourBitWeight:
     low: torch.Tensor  # float32 [out, in / GROUP]
     dtype: torch.dtype = torch.float32  # the activations' (the run's)
 
+    @property
+    def shape(self) -> torch.Size:
+        """[out, in], as the float weight's."""
+        return self.codes.shape
+
     def dequantize(self) -> torch.Tensor:
         out_features, in_features = self.codes.shape
         codes = self.codes.float().view(out_features, -1, GROUP)
@@ -117,6 +127,11 @@ class Fp8BlockWeight:
     scale: torch.Tensor  # float32 [ceil(out / block[0]), ceil(in / block[1])]
     block: tuple[int, int]
     dtype: torch.dtype = torch.float32  # the activations' (the run's)
+
+    @property
+    def shape(self) -> torch.Size:
+        """[out, in], as the float weight's."""
+        return self.weight.shape
 
     def dequantize(self) -> torch.Tensor:
         rows, cols = self.weight.shape

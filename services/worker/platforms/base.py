@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from services.worker.quantization import QuantizedWeight, as_float
-from services.worker.platforms.moe_ops import MoeExperts, MoeRouting, TorchExperts, select_experts
+from services.worker.platforms.moe_ops import (ANY_HEAD_DIM, LinearExperts, MoeExperts, MoeRouting, TorchExperts,
+                                               select_experts)
 
 DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
@@ -152,6 +153,16 @@ class Platform:
         down [E_local, H, I], the experts first_expert onwards of num_experts
         (default: all). The caller may drop its tensors after (moe_ops.py)."""
         return TorchExperts(gate_up, down, first_expert, num_experts)
+
+    def quantized_moe_experts(self, gate_up: list[QuantizedWeight], down: list[QuantizedWeight],
+                              first_expert: int = 0, num_experts: int | None = None) -> MoeExperts:
+        """Routed experts a checkpoint quantized, one weight per local expert as it
+        is stored: each expert with rows on this platform's linear for it (its
+        integer or quantized-matmul kernels, see `linear`)."""
+        hidden, intermediate = down[0].shape
+        silu_mul = self.layer_ops(gate_up[0].dtype, hidden, intermediate, ANY_HEAD_DIM).silu_mul
+        return LinearExperts([self.linear(w, None) for w in gate_up], [self.linear(w, None) for w in down], silu_mul,
+                             first_expert, num_experts)
 
     def mla_ops(self, spec, num_heads: int):
         """This device's fused MLA ops (mla.MlaOps) over a latent pool of `spec`

@@ -242,12 +242,13 @@ def test_float32_runs_dequantize_quantized_weights(npu_platform):
 
 
 def test_modelslim_w8a8_dynamic_model_gives_the_cpu_platforms_logits(npu_platform, tmp_path):
-    """A tiny Llama written by our quantize command, in bfloat16 through the
-    quantized Ascend matmuls: within the activations' int8 rounding of the CPU
-    platform's float32 run of the weights the checkpoint stands for."""
+    """A tiny Qwen3-MoE written by our quantize command, in bfloat16 through the
+    quantized Ascend matmuls (attention, the dense MLP and every expert): within
+    the activations' int8 rounding of the CPU platform's float32 run of the
+    weights the checkpoint stands for."""
     from services.worker.quantize import main as quantize_main
 
-    reference_model("qwen3_moe", 256, mlp_only_layers=[0, 1, 2]).save_pretrained(tmp_path / "float")
+    reference_model("qwen3_moe", 256).save_pretrained(tmp_path / "float")  # layer 0 dense, 1 and 2 MoE
     assert quantize_main([str(tmp_path / "float"), str(tmp_path / "w8a8"), "--format", "w8a8_dynamic",
                           "--smooth-alpha", "-1"]) == 0  # no tokenizer to calibrate with
     prompts = [list(range(10, 41)), list(range(100, 107))]
@@ -256,8 +257,9 @@ def test_modelslim_w8a8_dynamic_model_gives_the_cpu_platforms_logits(npu_platfor
         runner = ModelRunner(tmp_path / "w8a8", platform, dtype, block_size=4, kv_cache_bytes=2**20,
                              max_batch_size=4)
         if platform is npu_platform:
-            layer = runner.decoder.layers[1]
-            assert type(layer.attention.qkv).__name__ == type(layer.mlp.gate_up).__name__ == "NpuInt8Linear"
+            dense, moe = runner.decoder.layers[0], runner.decoder.layers[1].mlp.moe
+            assert type(dense.attention.qkv).__name__ == type(dense.mlp.gate_up).__name__ == "NpuInt8Linear"
+            assert {type(linear).__name__ for linear in moe.experts.gate_up + moe.experts.down} == {"NpuInt8Linear"}
         return torch.cat(_logits(runner, prompts, [[5, 6], [7, 8], [9, 10]])).float()
 
     exact = logits(CpuPlatform(CPU), "float32")

@@ -10,6 +10,7 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
@@ -89,10 +90,37 @@ def _quantize_activations(reference, static: dict[str, tuple[float, float] | Non
         modules[name].register_forward_pre_hook(hook(quant))
 
 
+def _dynamic_int8(x: torch.Tensor) -> torch.Tensor:
+    """Each row as per-token int8 activations see it: round(x / s) · s, s = max |x| / 127."""
+    s = (x.abs().amax(-1, keepdim=True) / 127).clamp(min=1e-30)
+    return (x / s).round().clamp(-127, 127) * s
+
+
+def _quantize_expert_activations(model) -> None:
+    """transformers' experts loop (Qwen3MoeExperts.forward) with each expert's
+    inputs, gate_up's and down's, rounded as W8A8_DYNAMIC's per-token int8."""
+    import types
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        for expert in range(self.num_experts):
+            token, position = torch.where(top_k_index == expert)
+            if not len(token):
+                continue
+            gate, up = F.linear(_dynamic_int8(hidden_states[token]), self.gate_up_proj[expert]).chunk(2, dim=-1)
+            y = F.linear(_dynamic_int8(self.act_fn(gate) * up), self.down_proj[expert])
+            out.index_add_(0, token, y * top_k_weights[token, position, None])
+        return out
+
+    for name, module in model.named_modules():
+        if name.endswith("mlp.experts"):
+            module.forward = types.MethodType(forward, module)
+
+
 def _int8_linears(directory) -> dict[str, tuple[float, float] | None]:
-    """The linears of a W8A8 checkpoint that the worker runs on int8 kernels (the
-    attention and dense MLP projections; routed experts run dequantized), with
-    their static input quantization or None (dynamic)."""
+    """The linears of a W8A8 checkpoint that the worker runs on int8 kernels
+    outside the experts (_quantize_expert_activations takes those), with their
+    static input quantization or None (dynamic)."""
     stored = load_file(directory / "model.safetensors")
     linears = {}
     for name, tensor in stored.items():
@@ -223,7 +251,12 @@ def test_qwen3_moe_w8a8_dynamic_experts(tmp_path):
     assert description["model.layers.1.mlp.gate.weight"] == "FLOAT"  # the router stays float
     model.load_state_dict(stack_experts(_modelslim_float_weights(directory)), strict=True)
     _quantize_activations(model, _int8_linears(directory))
-    _assert_matches(model, _runner(directory))
+    _quantize_expert_activations(model)
+    runner = _runner(directory)
+    experts = runner.decoder.layers[1].mlp.moe.experts
+    if cpu_kernels.int8_linear_available():  # each expert on the integer kernels, as stored
+        assert all(isinstance(linear, cpu_kernels.QuantizedLinear) for linear in experts.gate_up + experts.down)
+    _assert_matches(model, runner)
 
 
 # --- refusals -------------------------------------------------------------------

@@ -58,6 +58,11 @@ _Q4_MAX_ROWS_AVX512 = 12
 # 0.32, 0.35, 0.38 and 0.48 times linear.c's AVX2 bfloat16 kernel. On a CPU with
 # AMX (not measured here) oneDNN's bfloat16 tiles take steps of more rows than this.
 _Q4A8_MAX_ROWS_AMX = 32
+# On a CPU with AMX-INT8, W8A8 steps of this many rows or more run on oneDNN's int8
+# GEMM (torch._int_mm), whose AMX tiles do eight times the int8 operations a cycle
+# of AVX512-VNNI (Intel's figures); fewer rows stay on int8.c, bound by reading the
+# weights. Not measured: no AMX machine was lent while this was written.
+_INT8_AMX_MIN_ROWS = 64
 
 
 @functools.cache
@@ -75,6 +80,46 @@ def int8_activations_default() -> str:
     activations at every step size measured (see _Q4A8_MAX_ROWS_AMX) for a
     perplexity within 0.5 % of theirs on the bundled model (bench/quant_quality.py)."""
     return "int8" if cpu_kernels.q4a8_linear_available() else "bfloat16"
+
+
+class Int8MatmulLinear:
+    """W8A8 on torch._int_mm, which runs oneDNN's int8 GEMM (AMX-INT8 tiles where
+    the CPU has them): the activations quantized as int8.c does (per token, or
+    with the static scale and offset), int32 sums, then the scales."""
+
+    def __init__(self, weight: Int8Weight, bias: torch.Tensor | None):
+        self._q_t = weight.q.t().contiguous()  # [in, out]
+        self._scale = weight.scale.float()
+        self._static = weight.static
+        self._quant_bias = None if weight.static is None else weight.quant_bias(bias)
+        self._bias = None if bias is None or weight.static is not None else bias.float()
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        shape, rows = x.shape, x.reshape(-1, x.shape[-1]).float()
+        if self._static is None:
+            token_scale = rows.abs().amax(-1, keepdim=True) / 127
+            xq = (rows / torch.where(token_scale > 0, token_scale, 1)).round().clamp(-127, 127)
+            y = torch._int_mm(xq.to(torch.int8), self._q_t).float() * token_scale * self._scale
+        else:
+            input_scale, input_offset = self._static
+            xq = (rows / input_scale + input_offset).round().clamp(-128, 127)
+            y = (torch._int_mm(xq.to(torch.int8), self._q_t) + self._quant_bias).float() * self._scale
+        if self._bias is not None:
+            y = y + self._bias
+        y = y.to(x.dtype).reshape(*shape[:-1], -1)
+        return y if residual is None else y + residual
+
+
+def _with_amx_int8(kernel: Linear, weight: Int8Weight, bias: torch.Tensor | None) -> Linear:
+    """int8.c's kernel for steps of a few rows, oneDNN's AMX-INT8 GEMM for larger
+    ones (_INT8_AMX_MIN_ROWS)."""
+    matmul = Int8MatmulLinear(weight, bias)
+
+    def linear(x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        return matmul(x, residual) if rows >= _INT8_AMX_MIN_ROWS else kernel(x, residual)
+
+    return linear
 
 
 class CpuAttention:
@@ -146,6 +191,8 @@ class CpuPlatform(Platform):
             static = weight.static is not None
             kernel = cpu_kernels.packed_int8_linear(weight.q, weight.scale, None if static else bias, weight.static,
                                                     weight.quant_bias(bias) if static else None)
+            if kernel is not None and cpu_kernels.cpu_has("amx_int8"):
+                return _with_amx_int8(kernel, weight, bias)
             if kernel is not None:
                 return kernel
         four_bit = None

@@ -172,3 +172,28 @@ def test_int8_activations_are_a_cpu_setting(monkeypatch):
         platform.set_activations("int8")
     platform.set_activations("auto")  # falls back where nothing is built
     assert not platform.int8_activations
+
+
+@pytest.mark.skipif(not cpu_kernels.int8_linear_available(), reason="int8.c's kernels are not built here")
+@pytest.mark.parametrize("static", [None, (0.02, -3)])
+def test_w8a8_on_amx_int8_takes_large_steps_to_onednn_with_the_same_integer_sums(static, monkeypatch):
+    """Where the CPU has AMX-INT8 (claimed here), steps of _INT8_AMX_MIN_ROWS rows
+    or more run torch._int_mm; the int32 sums are int8.c's, so the outputs agree
+    to float32 rounding, and fewer rows still run int8.c."""
+    from services.worker.platforms import cpu
+    from services.worker.quantization import Int8Weight
+
+    generator = torch.Generator().manual_seed(7)
+    weight = Int8Weight(torch.randint(-127, 128, (48, 96), generator=generator, dtype=torch.int8),
+                        torch.rand(48, generator=generator) * 1e-2 + 1e-3, static, torch.float32)
+    bias = torch.randn(48, generator=generator) * 0.1
+    platform = cpu.CpuPlatform(torch.device("cpu"))
+    plain = platform.linear(weight, bias)
+    monkeypatch.setattr(cpu_kernels, "cpu_has", lambda flag: flag == "amx_int8" or flag in cpu_kernels._cpu_flags())
+    with_amx = platform.linear(weight, bias)
+    calls, int_mm = [], torch._int_mm
+    monkeypatch.setattr(torch, "_int_mm", lambda a, b: calls.append(a.shape[0]) or int_mm(a, b))
+    for rows in (3, cpu._INT8_AMX_MIN_ROWS + 5):
+        x = torch.randn(rows, 96, generator=generator) * 0.6
+        torch.testing.assert_close(with_amx(x), plain(x), atol=1e-4, rtol=1e-5)
+    assert calls == [cpu._INT8_AMX_MIN_ROWS + 5]

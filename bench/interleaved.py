@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -78,6 +79,30 @@ def main() -> None:
         print(f"| {concurrency} | {name} | {statistics.median(rates):.1f} | {p50('ttft_s'):.0f} ms | "
               f"{p50('itl_s'):.1f} ms | {p50('e2e_s'):.0f} ms | {rates[0]:.0f}–{rates[-1]:.0f} | "
               f"{median_of('acceptance_rate')} | {median_of('tokens_per_step')} |" + _ratios(runs, results, concurrency, args.baseline))
+
+
+def chains_side_by_side(work: Path, envs: dict[str, dict[str, str]], baseline: str, levels: str, rounds: int,
+                        input_len: str, output_len: str, peers: list[str] = ()) -> None:
+    """One chain per entry of `envs` (name -> its STORMSERVE_* settings), all up at
+    once, then this tool over them and `peers` (name=base_url), paired on
+    `baseline`; the chains' logs and the runs under `work`."""
+    from services.common.supervisor import Chain, free_port
+
+    chains = {name: Chain(edge_port=free_port(), tokenizer_port=free_port(), scheduler_port=free_port(),
+                          worker_ports=[free_port()], log_dir=work / f"logs-{name}", metrics=False, env=env)
+              for name, env in envs.items()}
+    try:
+        for chain in chains.values():
+            chain.start()
+        for chain in chains.values():
+            chain.wait_ready(timeout_s=900)
+        targets = [f"--target={n}={c.url}" for n, c in chains.items()] + [f"--target={p}" for p in peers]
+        subprocess.run([sys.executable, "-m", "bench.interleaved", *targets, "--levels", levels, "--rounds",
+                        str(rounds), "--input-len", input_len, "--output-len", output_len, "--baseline", baseline,
+                        "--out-dir", str(work / "runs")], check=True, env=os.environ)
+    finally:
+        for chain in chains.values():
+            chain.stop()
 
 
 def _ratios(runs: list[dict], results: dict[tuple[int, str], list[dict]], concurrency: int, baseline: str) -> str:

@@ -11,9 +11,6 @@ weights, fixed seed), so the figures measure the serving path, not answers."""
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -21,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DeepseekV3Config, LlamaConfig
 
 from services.common.model_files import default_model_path, resolve_model
-from services.common.supervisor import Chain, free_port
+from bench.interleaved import chains_side_by_side
 
 
 def active_parameters(config) -> int:
@@ -81,22 +78,9 @@ def main() -> None:
               for name, config in (("moe", moe_config), ("dense", dense_config))}
     print(f"active parameters per token: moe {active['moe'] / 1e6:.1f} M, dense {active['dense'] / 1e6:.1f} M",
           flush=True)
-    chains = {name: Chain(edge_port=free_port(), tokenizer_port=free_port(), scheduler_port=free_port(),
-                          worker_ports=[free_port()], log_dir=work / f"logs-{name}", metrics=False,
-                          env={"STORMSERVE_MODEL_PATH": str(work / name), "STORMSERVE_KV_CACHE_MIB": args.kv_cache_mib})
-              for name in active}
-    try:
-        for chain in chains.values():
-            chain.start()
-        for chain in chains.values():
-            chain.wait_ready(timeout_s=900)
-        subprocess.run([sys.executable, "-m", "bench.interleaved", *(f"--target={n}={c.url}" for n, c in chains.items()),
-                        "--levels", args.levels, "--rounds", str(args.rounds), "--input-len", args.input_len,
-                        "--output-len", args.output_len, "--baseline", "dense", "--out-dir", str(work / "runs")],
-                       check=True, env=os.environ)
-    finally:
-        for chain in chains.values():
-            chain.stop()
+    envs = {name: {"STORMSERVE_MODEL_PATH": str(work / name), "STORMSERVE_KV_CACHE_MIB": args.kv_cache_mib}
+            for name in active}
+    chains_side_by_side(work, envs, "dense", args.levels, args.rounds, args.input_len, args.output_len)
     print(f"models and logs in {work}")
 
 

@@ -17,7 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from services.common.supervisor import Chain, free_port
+from bench.interleaved import chains_side_by_side
 
 VARIANTS = ("bfloat16", "int8", "w8a8")
 
@@ -39,22 +39,9 @@ def main() -> None:
     if "w8a8" in args.variants:
         subprocess.run([sys.executable, "-m", "services.worker.quantize", "default", str(work / "w8a8"),
                         "--format", "w8a8_dynamic"], check=True, env=os.environ)
-    chains = {name: Chain(edge_port=free_port(), tokenizer_port=free_port(), scheduler_port=free_port(),
-                          worker_ports=[free_port()], log_dir=work / f"logs-{name}", metrics=False,
-                          env={**env, **settings[name]})
-              for name in args.variants}
-    try:
-        for chain in chains.values():
-            chain.start()
-        for chain in chains.values():
-            chain.wait_ready(timeout_s=900)
-        targets = [f"--target={n}={c.url}" for n, c in chains.items()] + [f"--target={p}" for p in args.peer]
-        subprocess.run([sys.executable, "-m", "bench.interleaved", *targets, "--levels", args.levels,
-                        "--rounds", str(args.rounds), "--input-len", args.input_len, "--output-len", args.output_len,
-                        "--baseline", args.variants[0], "--out-dir", str(work / "runs")], check=True, env=os.environ)
-    finally:
-        for chain in chains.values():
-            chain.stop()
+    envs = {name: {**env, **settings[name]} for name in args.variants}
+    chains_side_by_side(work, envs, args.variants[0], args.levels, args.rounds, args.input_len, args.output_len,
+                        args.peer)
     print(f"models and logs in {work}")
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from services.worker import quantization
+from services.worker import quant_formats, quantization
 
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
@@ -44,7 +44,7 @@ class Checkpoint:
         files = sorted(set(weight_map.values())) or [_SINGLE]
         self._files = {name: safe_open(str(model_dir / name), framework="pt") for name in files}
         self._where = weight_map or {key: _SINGLE for key in self._files[_SINGLE].keys()}
-        self.scheme = quantization.detect(model_dir, self._where)
+        self.scheme = quant_formats.detect(model_dir, self._where)
         self._linears = self.scheme.linears if self.scheme is not None else set()
 
     @staticmethod

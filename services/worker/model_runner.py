@@ -25,7 +25,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from services.common.errors import invalid_argument
 from services.common.media_parts import has_vision_tower
-from services.worker import attention, quantization, sampler, speculative
+from services.worker import attention, quant_formats, quantization, sampler, speculative
 from services.worker.admission import StepAdmission
 from services.worker.platforms import Platform, torch_dtype
 from services.worker.checkpoint import Checkpoint
@@ -137,7 +137,7 @@ class ModelRunner(StepAdmission):
         lean = LeanDecoder.supports(self.config)
         # A quantized checkpoint is read by quantization.py on the lean path only:
         # transformers would cast msModelSlim's integers to floats without a word.
-        quantized = quantization.describe(model_dir)
+        quantized = quant_formats.describe(model_dir)
         if quantized is not None and (not lean or not Checkpoint.available(model_dir)
                                       or has_vision_tower(self.config)):
             raise quantization.UnsupportedQuantization(

@@ -32,7 +32,7 @@ from safetensors.torch import save_file
 from services.common.log import setup_logging
 from services.common.model_files import default_model_path, resolve_model
 from services.worker.checkpoint import Checkpoint
-from services.worker.quantization import DESCRIPTION_FILE
+from services.worker.quant_formats import DESCRIPTION_FILE
 
 log = logging.getLogger("services.worker.quantize")
 

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
 from services.common.model_files import default_model_path, resolve_model
 
-from services.worker import cpu_kernels, quantization
+from services.worker import cpu_kernels, quant_formats, quantization
 from services.worker.decoder import LeanDecoder
 from services.worker.model_runner import ModelRunner
 from services.worker.platforms import select_platform
@@ -343,14 +343,14 @@ def test_smoothing_keeps_the_float_models_function(llama_with_tokenizer):
 def test_int32_words_unpack_lowest_bits_first(bits):
     values = torch.randint(0, 2**bits, (16, 64), dtype=torch.int32)
     packed = quantized_models._words(values, bits)  # [16, 64 · bits / 32]
-    assert torch.equal(quantization.unpack_int32(packed, bits, 1), values)
-    assert torch.equal(quantization.unpack_int32(packed.t().contiguous(), bits, 0), values.t())
+    assert torch.equal(quant_formats.unpack_int32(packed, bits, 1), values)
+    assert torch.equal(quant_formats.unpack_int32(packed.t().contiguous(), bits, 0), values.t())
 
 
 def test_four_bit_groups_of_128_are_four_groups_of_32():
     q = torch.randint(0, 16, (16, 256))
     scale, zero = torch.rand(16, 2) + 0.1, torch.randint(0, 16, (16, 2)).float()
-    grouped = quantization._grouped(q, scale, zero, 128)
+    grouped = quant_formats._grouped(q, scale, zero, 128)
     assert isinstance(grouped, quantization.FourBitWeight) and grouped.scale.shape == (16, 8)
     expected = (q.float() - zero.repeat_interleave(128, 1)) * scale.repeat_interleave(128, 1)
     torch.testing.assert_close(grouped.dequantize(), expected)

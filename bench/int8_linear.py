@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from services.worker import cpu_kernels
+from services.worker import cpu_kernels, int8_kernels
 
 VARIANTS = {"native": (), "avx_vnni": ("-mno-avx512f",), "avx2": ("-mno-avx512f", "-mno-avxvnni")}
 KERNELS = ("bf16", "q4", "w4a8", "w8a8")
@@ -63,10 +63,10 @@ def build(library, linears: list[tuple[int, int]], generator: torch.Generator) -
         low = -7.5 * scale
         built["q4"].append(cpu_kernels.packed_q4_linear(codes, scale, low, None, library=library))
         codes = torch.randint(0, 16, (out_features, in_features), dtype=torch.uint8, generator=generator)
-        built["w4a8"].append(cpu_kernels.packed_q4a8_linear(codes, scale, low, None, library=library))
+        built["w4a8"].append(int8_kernels.packed_q4a8_linear(codes, scale, low, None, library=library))
         del codes
         weight = torch.randint(-127, 128, (out_features, in_features), dtype=torch.int8, generator=generator)
-        built["w8a8"].append(cpu_kernels.packed_int8_linear(weight, torch.rand(out_features) * 1e-3, None,
+        built["w8a8"].append(int8_kernels.packed_int8_linear(weight, torch.rand(out_features) * 1e-3, None,
                                                             library=library))
     return {name: linears for name, linears in built.items() if all(linear is not None for linear in linears)}
 
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     isas: dict[str, str] = {}
     for variant in args.variants:
         library = cpu_kernels.load_library(cpu_kernels._KERNELS, VARIANTS[variant])
-        isa = None if library is None else cpu_kernels.int8_linear_isa(library)
+        isa = None if library is None else int8_kernels.int8_linear_isa(library)
         if isa is None or (variant != "native" and not cpu_kernels.cpu_has(variant)):
             print(f"{variant}: not built for this CPU, skipped")
             continue

@@ -12,7 +12,7 @@ import shutil
 import pytest
 import torch
 
-from services.worker import cpu_kernels
+from services.worker import cpu_kernels, int8_kernels
 
 KERNELS = cpu_kernels._KERNELS
 # Build: (flags after -march=native, the CPU flags it needs).
@@ -39,7 +39,7 @@ def library(variant: str):
     if missing:
         pytest.skip(f"this CPU lacks {' '.join(missing)}")
     built = _build(variant)
-    if built is None or not cpu_kernels.int8_linear_available(built):
+    if built is None or not int8_kernels.int8_linear_available(built):
         pytest.skip(f"the compiler does not build the {variant} kernels ({' '.join(flags)})")
     return built
 
@@ -106,7 +106,7 @@ def test_w8a8_matches_the_quantised_math(variant: str, rows: int, mode: str):
         else:  # msModelSlim: the bias folded into an int32 quant_bias; values past the int8 range clamp
             static, bias = (0.02, 3.0), None
             quant_bias = torch.randint(-5000, 5000, (n,), dtype=torch.int32, generator=generator)
-        linear = cpu_kernels.packed_int8_linear(weight, weight_scale, bias, static, quant_bias, library=lib)
+        linear = int8_kernels.packed_int8_linear(weight, weight_scale, bias, static, quant_bias, library=lib)
         assert linear is not None
         expected, magnitude = _w8a8_reference(x, weight, weight_scale, static, quant_bias)
         _check(linear, x, bias, residual, expected, magnitude)
@@ -123,11 +123,11 @@ def test_w8a8_sums_at_the_ends_of_the_int8_range_are_exact(variant: str):
     ones = torch.ones(32)
     x = torch.full((3, k), -128.0)  # static scale 1, offset 0: xq = x
     x[1], x[2, ::2] = 127.0, 127.0
-    linear = cpu_kernels.packed_int8_linear(weight, ones, None, (1.0, 0.0), library=lib)
+    linear = int8_kernels.packed_int8_linear(weight, ones, None, (1.0, 0.0), library=lib)
     expected = x.double() @ weight.double().T
     torch.testing.assert_close(linear(x).double(), expected, rtol=0, atol=0)
     # Dynamic: the rows quantise to +-127 (scale 128 / 127 for the first).
-    linear = cpu_kernels.packed_int8_linear(weight, ones, None, library=lib)
+    linear = int8_kernels.packed_int8_linear(weight, ones, None, library=lib)
     expected, _ = _w8a8_reference(x, weight, ones, None, None)
     torch.testing.assert_close(linear(x).double(), expected, rtol=2.0 ** -23, atol=0)
 
@@ -159,7 +159,7 @@ def test_q4a8_matches_the_quantised_math(variant: str, rows: int):
         x = torch.randn(rows, k, generator=generator)
         x[0, :32] = 2.5
         x[-1, 32:] = 0  # blocks of zeros (scale 0)
-        linear = cpu_kernels.packed_q4a8_linear(codes, scale, low, bias, library=lib)
+        linear = int8_kernels.packed_q4a8_linear(codes, scale, low, bias, library=lib)
         assert linear is not None
         expected, magnitude = _q4a8_reference(x, codes, scale, low)
         _check(linear, x, bias, residual, expected, magnitude)
@@ -168,23 +168,23 @@ def test_q4a8_matches_the_quantised_math(variant: str, rows: int):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_shapes_are_checked_and_refused(variant: str):
     lib = library(variant)
-    assert cpu_kernels.int8_linear_isa(lib) == variant
+    assert int8_kernels.int8_linear_isa(lib) == variant
     weight, scale = torch.ones(48, 64, dtype=torch.int8), torch.ones(48)
-    assert cpu_kernels.packed_int8_linear(weight[:40], scale[:40], None, library=lib) is None  # 40 outputs
-    assert cpu_kernels.packed_int8_linear(weight[:, :48], scale, None, library=lib) is None  # not whole 32s
-    assert cpu_kernels.packed_int8_linear(weight.float(), scale, None, library=lib) is None  # not int8
+    assert int8_kernels.packed_int8_linear(weight[:40], scale[:40], None, library=lib) is None  # 40 outputs
+    assert int8_kernels.packed_int8_linear(weight[:, :48], scale, None, library=lib) is None  # not whole 32s
+    assert int8_kernels.packed_int8_linear(weight.float(), scale, None, library=lib) is None  # not int8
     with pytest.raises(ValueError):  # an integer scale (NPU checkpoints pack float bits into int64) is not cast
-        cpu_kernels.packed_int8_linear(weight, scale.long(), None, library=lib)
+        int8_kernels.packed_int8_linear(weight, scale.long(), None, library=lib)
     with pytest.raises(ValueError):
-        cpu_kernels.packed_int8_linear(weight, scale, None, quant_bias=torch.ones(48, dtype=torch.int64), library=lib)
+        int8_kernels.packed_int8_linear(weight, scale, None, quant_bias=torch.ones(48, dtype=torch.int64), library=lib)
     x = torch.randn(3, 64)
-    torch.testing.assert_close(cpu_kernels.packed_int8_linear(weight, scale[:, None], None, library=lib)(x),
-                               cpu_kernels.packed_int8_linear(weight, scale, None, library=lib)(x))  # [out, 1]
+    torch.testing.assert_close(int8_kernels.packed_int8_linear(weight, scale[:, None], None, library=lib)(x),
+                               int8_kernels.packed_int8_linear(weight, scale, None, library=lib)(x))  # [out, 1]
     codes, groups = torch.ones(48, 64, dtype=torch.uint8), torch.ones(48, 2)
-    assert cpu_kernels.packed_q4a8_linear(codes[:40], groups[:40], groups[:40], None, library=lib) is None
-    assert cpu_kernels.packed_q4a8_linear(codes[:, :48], groups, groups, None, library=lib) is None
-    for linear in (cpu_kernels.packed_int8_linear(weight, scale, None, library=lib),
-                   cpu_kernels.packed_q4a8_linear(codes, groups, groups, None, library=lib)):
+    assert int8_kernels.packed_q4a8_linear(codes[:40], groups[:40], groups[:40], None, library=lib) is None
+    assert int8_kernels.packed_q4a8_linear(codes[:, :48], groups, groups, None, library=lib) is None
+    for linear in (int8_kernels.packed_int8_linear(weight, scale, None, library=lib),
+                   int8_kernels.packed_q4a8_linear(codes, groups, groups, None, library=lib)):
         x = torch.randn(2, 5, 64)
         assert linear(x).shape == (2, 5, 48)  # leading dimensions kept
         assert linear(x[:, :0]).shape == (2, 0, 48)  # no rows

@@ -10,7 +10,7 @@ from typing import ClassVar
 
 import torch
 
-from services.worker import cpu_kernels, int4
+from services.worker import cpu_kernels, int4, int8_kernels
 from services.worker.attention import StepSequences, write_kv_by_slot
 from services.worker.platforms.base import Linear, Platform, TorchLayerOps, host_available_memory, plain_linear
 from services.worker.quantization import FourBitWeight, Int8Weight, QuantizedWeight, as_float
@@ -79,7 +79,7 @@ def int8_activations_default() -> str:
     AVX-VNNI or AVX512-VNNI), which runs the 4-bit weights faster than bfloat16
     activations at every step size measured (see _Q4A8_MAX_ROWS_AMX) for a
     perplexity within 0.5 % of theirs on the bundled model (bench/quant_quality.py)."""
-    return "int8" if cpu_kernels.q4a8_linear_available() else "bfloat16"
+    return "int8" if int8_kernels.q4a8_linear_available() else "bfloat16"
 
 
 class Int8MatmulLinear:
@@ -155,12 +155,12 @@ class CpuPlatform(Platform):
         W4A8 kernel, their activations quantized per row and group of 32 as
         llama.cpp does; `bfloat16`: on linear.c's 4-bit kernel with bfloat16
         activations; `auto`: int8 where the kernel is built (int8_activations_default)."""
-        if activations == "int8" and not cpu_kernels.q4a8_linear_available():
+        if activations == "int8" and not int8_kernels.q4a8_linear_available():
             raise ValueError("activations int8 needs int8.c's kernels: a C compiler and a CPU with AVX2 or VNNI")
         chosen = activations if activations != "auto" else int8_activations_default()
         self.int8_activations = chosen == "int8"
         log.info("activations of 4-bit weights: %s%s (int8 kernels on %s)", chosen,
-                 " (auto)" if activations == "auto" else "", cpu_kernels.int8_linear_isa() or "nothing: not built")
+                 " (auto)" if activations == "auto" else "", int8_kernels.int8_linear_isa() or "nothing: not built")
 
     def resolve_dtype(self, name: str) -> str:
         """`auto` is bfloat16 on CPUs that compute it natively or run the bfloat16
@@ -189,7 +189,7 @@ class CpuPlatform(Platform):
         """
         if isinstance(weight, Int8Weight):
             static = weight.static is not None
-            kernel = cpu_kernels.packed_int8_linear(weight.q, weight.scale, None if static else bias, weight.static,
+            kernel = int8_kernels.packed_int8_linear(weight.q, weight.scale, None if static else bias, weight.static,
                                                     weight.quant_bias(bias) if static else None)
             if kernel is not None and cpu_kernels.cpu_has("amx_int8"):
                 return _with_amx_int8(kernel, weight, bias)
@@ -204,7 +204,7 @@ class CpuPlatform(Platform):
         if self.int8_activations and weight.dtype == torch.bfloat16 and not amx:
             # W4A8 for every step size: no bfloat16 copy of the weight is kept.
             four_bit = four_bit or int4.four_bit_codes(weight)
-            w4a8 = None if four_bit is None else cpu_kernels.packed_q4a8_linear(*four_bit, bias)
+            w4a8 = None if four_bit is None else int8_kernels.packed_q4a8_linear(*four_bit, bias)
             if w4a8 is not None:
                 return w4a8
         # With AMX, oneDNN's tile kernels outrun anything built on vdpbf16ps.
@@ -230,7 +230,7 @@ class CpuPlatform(Platform):
         four_bit = four_bit or int4.four_bit_codes(weight)
         if four_bit is None:
             return batched
-        small = cpu_kernels.packed_q4a8_linear(*four_bit, bias) if self.int8_activations else None
+        small = int8_kernels.packed_q4a8_linear(*four_bit, bias) if self.int8_activations else None
         if small is not None:  # AMX: its bfloat16 tiles for larger steps
             int4_max_rows = _Q4A8_MAX_ROWS_AMX
         elif (small := cpu_kernels.packed_q4_linear(*four_bit, bias)) is not None:

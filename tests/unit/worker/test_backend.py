@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.worker import cpu_kernels
+from services.worker import cpu_kernels, int8_kernels
 from services.worker.platforms import select_platform
 from services.worker.platforms.cpu import cpu_computes_bfloat16
 from services.worker.int4 import four_bit_codes, int4_linear, pack_for_torch
@@ -138,7 +138,7 @@ def _spanning_four_bit_weight(out_features: int, in_features: int) -> torch.Tens
     return (codes * scale + low).to(torch.bfloat16)
 
 
-@pytest.mark.skipif(not cpu_kernels.q4a8_linear_available(), reason="int8.c's kernels are not built here")
+@pytest.mark.skipif(not int8_kernels.q4a8_linear_available(), reason="int8.c's kernels are not built here")
 def test_int8_activations_run_4bit_weights_on_the_w4a8_kernel_at_every_step_size():
     from services.worker.platforms.cpu import CpuPlatform
 
@@ -147,14 +147,14 @@ def test_int8_activations_run_4bit_weights_on_the_w4a8_kernel_at_every_step_size
     platform.set_activations("int8")
     linear = platform.linear(weight, None)
     if not torch.cpu._is_amx_tile_supported():
-        assert isinstance(linear, cpu_kernels.QuantizedLinear)  # no bfloat16 copy for larger steps
+        assert isinstance(linear, int8_kernels.QuantizedLinear)  # no bfloat16 copy for larger steps
     for rows in (1, 40):
         x = torch.randn(rows, 128).to(torch.bfloat16)
         exact = x.float() @ weight.float().t()
         # Activations rounded to int8 per group of 32: about 1 % of a product's size.
         assert (linear(x).float() - exact).abs().max() < 0.02 * exact.abs().max()
     platform.set_activations("bfloat16")
-    assert not isinstance(platform.linear(weight, None), cpu_kernels.QuantizedLinear)
+    assert not isinstance(platform.linear(weight, None), int8_kernels.QuantizedLinear)
 
 
 def test_int8_activations_are_a_cpu_setting(monkeypatch):
@@ -166,7 +166,7 @@ def test_int8_activations_are_a_cpu_setting(monkeypatch):
 
     with pytest.raises(ValueError, match="CPU only, not other"):
         Other(torch.device("cpu")).set_activations("int8")
-    monkeypatch.setattr(cpu_kernels, "q4a8_linear_available", lambda library=None: False)
+    monkeypatch.setattr(int8_kernels, "q4a8_linear_available", lambda library=None: False)
     platform = CpuPlatform(torch.device("cpu"))
     with pytest.raises(ValueError, match="int8.c's kernels"):
         platform.set_activations("int8")
@@ -174,7 +174,7 @@ def test_int8_activations_are_a_cpu_setting(monkeypatch):
     assert not platform.int8_activations
 
 
-@pytest.mark.skipif(not cpu_kernels.int8_linear_available(), reason="int8.c's kernels are not built here")
+@pytest.mark.skipif(not int8_kernels.int8_linear_available(), reason="int8.c's kernels are not built here")
 @pytest.mark.parametrize("static", [None, (0.02, -3)])
 def test_w8a8_on_amx_int8_takes_large_steps_to_onednn_with_the_same_integer_sums(static, monkeypatch):
     """Where the CPU has AMX-INT8 (claimed here), steps of _INT8_AMX_MIN_ROWS rows

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
 from services.common.model_files import default_model_path, resolve_model
 
-from services.worker import cpu_kernels, quant_formats, quantization
+from services.worker import int8_kernels, quant_formats, quantization
 from services.worker.decoder import LeanDecoder
 from services.worker.model_runner import ModelRunner
 from services.worker.platforms import select_platform
@@ -218,10 +218,10 @@ def test_quantize_command_writes_modelslim(llama_with_tokenizer, fmt, tmp_path):
     reference = _reference(model, _modelslim_float_weights(directory))
     _quantize_activations(reference, _int8_linears(directory))
     runner = _runner(directory)
-    if cpu_kernels.int8_linear_available():  # the integer kernels, not a dequantized weight
+    if int8_kernels.int8_linear_available():  # the integer kernels, not a dequantized weight
         layer = runner.decoder.layers[0]
-        assert isinstance(layer.attention.qkv, cpu_kernels.QuantizedLinear)
-        assert isinstance(layer.mlp.gate_up, cpu_kernels.QuantizedLinear)
+        assert isinstance(layer.attention.qkv, int8_kernels.QuantizedLinear)
+        assert isinstance(layer.mlp.gate_up, int8_kernels.QuantizedLinear)
     _assert_matches(reference, runner)
 
 
@@ -254,8 +254,8 @@ def test_qwen3_moe_w8a8_dynamic_experts(tmp_path):
     _quantize_expert_activations(model)
     runner = _runner(directory)
     experts = runner.decoder.layers[1].mlp.moe.experts
-    if cpu_kernels.int8_linear_available():  # each expert on the integer kernels, as stored
-        assert all(isinstance(linear, cpu_kernels.QuantizedLinear) for linear in experts.gate_up + experts.down)
+    if int8_kernels.int8_linear_available():  # each expert on the integer kernels, as stored
+        assert all(isinstance(linear, int8_kernels.QuantizedLinear) for linear in experts.gate_up + experts.down)
     _assert_matches(model, runner)
 
 

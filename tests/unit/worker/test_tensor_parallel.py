@@ -164,10 +164,10 @@ def test_two_ranks_of_a_static_w8a8_checkpoint_run_their_int8_shards(tmp_path: P
     group gives one rank's log-probs."""
     from safetensors.torch import load_file
 
-    from services.worker import cpu_kernels
+    from services.worker import int8_kernels
     from tests import quantized_models
 
-    if not cpu_kernels.int8_linear_available():
+    if not int8_kernels.int8_linear_available():
         pytest.skip("int8.c's kernels are not built here")
     # MLP rows split in halves of 64: whole groups of 32 inputs for down's kernel.
     config = Qwen3Config(**{**SMALL, "intermediate_size": 128}, head_dim=32, attention_bias=True,
@@ -180,7 +180,7 @@ def test_two_ranks_of_a_static_w8a8_checkpoint_run_their_int8_shards(tmp_path: P
                         max_batch_size=8)
     with _group(model_path) as group_runner:
         layer = group_runner.decoder.layers[1]
-        assert all(isinstance(linear, cpu_kernels.QuantizedLinear)
+        assert all(isinstance(linear, int8_kernels.QuantizedLinear)
                    for linear in (layer.attention.qkv, layer.mlp.gate_up))
         together = _logprobs(group_runner, sequences, VOCAB)
     _assert_same_logprobs(together, _logprobs(alone, sequences, VOCAB), VOCAB)

@@ -4,6 +4,7 @@ type of quantization.py, and refusing what cannot be served, naming the tensor
 and the format."""
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Callable, Iterable
@@ -12,7 +13,7 @@ from pathlib import Path
 import torch
 
 from services.worker.quantization import (GROUP, FourBitWeight, Fp8BlockWeight, Int8Weight, QuantizedWeight,
-                                          UnsupportedQuantization)
+                                          UnsupportedQuantization, expand_blocks)
 
 DESCRIPTION_FILE = "quant_model_description.json"
 
@@ -181,10 +182,17 @@ class Fp8(Scheme):
             raise self.refuse(prefix, f"weight stored as {weight.dtype}, not float8_e4m3fn")
         inverse = has(prefix + ".weight_scale_inv")
         scale = read(prefix + (".weight_scale_inv" if inverse else ".weight_scale")).float()
-        expanded = _broadcast_scale(scale, weight.shape, self.block, lambda why: self.refuse(prefix, why))
+        refuse = functools.partial(self.refuse, prefix)
         if self.block and scale.dim() == 2 and scale.shape != (weight.shape[0], 1):
-            return Fp8BlockWeight(weight, scale, tuple(self.block))
-        return weight.float() * expanded
+            if scale.shape != _block_grid(weight.shape, self.block):
+                raise refuse(f"scale of shape {tuple(scale.shape)} does not fit a weight of {tuple(weight.shape)}")
+            return Fp8BlockWeight(weight, scale, tuple(self.block))  # kept as stored, not expanded here
+        return weight.float() * _broadcast_scale(scale, weight.shape, None, refuse)
+
+
+def _block_grid(shape, block) -> tuple[int, int]:
+    """How many blocks of `block` cover a weight of `shape` (the last ones partial)."""
+    return -(-shape[0] // block[0]), -(-shape[1] // block[1])
 
 
 def _broadcast_scale(scale: torch.Tensor, shape, block, refuse) -> torch.Tensor:
@@ -195,9 +203,9 @@ def _broadcast_scale(scale: torch.Tensor, shape, block, refuse) -> torch.Tensor:
     if scale.dim() == 2 and scale.shape[1] == 1 and scale.shape[0] == rows or scale.dim() == 1 and scale.numel() == rows:
         return scale.reshape(rows, 1)
     if scale.dim() == 2:
-        block_rows, block_cols = block or (-(-rows // scale.shape[0]), -(-cols // scale.shape[1]))
-        if scale.shape == (-(-rows // block_rows), -(-cols // block_cols)):
-            return scale.repeat_interleave(block_rows, 0)[:rows].repeat_interleave(block_cols, 1)[:, :cols]
+        block = block or (-(-rows // scale.shape[0]), -(-cols // scale.shape[1]))
+        if scale.shape == _block_grid(shape, block):
+            return expand_blocks(scale, shape, block)
     raise refuse(f"scale of shape {tuple(scale.shape)} does not fit a weight of {tuple(shape)}")
 
 
@@ -333,13 +341,13 @@ class CompressedTensors(Scheme):
         weight = read(prefix + ".weight")
         if weight.dtype == torch.float8_e4m3fn:
             block = weights.get("block_structure")
-            return weight.float() * _broadcast_scale(scale, weight.shape, block, lambda why: self.refuse(prefix, why))
+            return weight.float() * _broadcast_scale(scale, weight.shape, block, functools.partial(self.refuse, prefix))
         if weight.dtype != torch.int8:
             raise self.refuse(prefix, f"weight stored as {weight.dtype}")
         if scale.numel() == 1:
             scale = scale.reshape(1).expand(weight.shape[0])
         elif scale.shape[-1] != 1:
-            return weight.float() * _broadcast_scale(scale, weight.shape, None, lambda why: self.refuse(prefix, why))
+            return weight.float() * _broadcast_scale(scale, weight.shape, None, functools.partial(self.refuse, prefix))
         scale = scale.flatten().contiguous()
         if activations and activations.get("type", "int") == "int" and activations.get("dynamic", False):
             return Int8Weight(weight, scale)

@@ -129,9 +129,7 @@ class Fp8BlockWeight:
         return self.weight.shape
 
     def dequantize(self) -> torch.Tensor:
-        rows, cols = self.weight.shape
-        scale = self.scale.repeat_interleave(self.block[0], 0)[:rows].repeat_interleave(self.block[1], 1)[:, :cols]
-        return self.weight.float() * scale
+        return self.weight.float() * expand_blocks(self.scale, self.weight.shape, self.block)
 
     @staticmethod
     def cat(parts: list[Fp8BlockWeight]) -> Fp8BlockWeight | None:
@@ -143,6 +141,13 @@ class Fp8BlockWeight:
 
 
 QuantizedWeight = Int8Weight | FourBitWeight | Fp8BlockWeight
+
+
+def expand_blocks(scale: torch.Tensor, shape, block) -> torch.Tensor:
+    """A scale per block of block[0] rows × block[1] columns (the last ones
+    partial) expanded to a weight of `shape`."""
+    rows, cols = shape
+    return scale.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
 
 
 def as_float(weight: torch.Tensor | QuantizedWeight, device: torch.device | None = None) -> torch.Tensor:

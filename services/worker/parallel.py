@@ -324,21 +324,31 @@ class ShardedWeights(Mapping):
             raise KeyError(name)
         return shard
 
-    def _shard(self, name: str) -> torch.Tensor | None:
-        tensor = self._weights[name]
+    def _split(self, module: str) -> tuple[int, tuple[int, int], str] | None:
+        """How a projection's weight is split: (its dimension split, this rank's
+        [start, end) of it, the config size it must have), or None for another module.
+        Column-parallel ones split their output rows, row-parallel ones their inputs."""
         heads, dim = self.heads, self._head_dim
         q_rows = (heads.first_head * dim, (heads.first_head + heads.num_heads) * dim)
-        kv_rows = (heads.first_kv_head * dim, (heads.first_kv_head + heads.num_kv_heads) * dim)
-        module, kind = name.rsplit(".", 2)[-2:]
         if module == "q_proj":
-            return self._slice(name, tensor, 0, q_rows, "q")
+            return 0, q_rows, "q"
         if module in ("k_proj", "v_proj"):
-            return self._slice(name, tensor, 0, kv_rows, "kv")
+            return 0, (heads.first_kv_head * dim, (heads.first_kv_head + heads.num_kv_heads) * dim), "kv"
         if module in ("gate_proj", "up_proj"):
-            return self._slice(name, tensor, 0, self.mlp_rows, "mlp")
-        if module in ROW_PARALLEL and kind == "weight":
-            return self._slice(name, tensor, 1, q_rows if module == "o_proj" else self.mlp_rows,
-                               "q" if module == "o_proj" else "mlp")
+            return 0, self.mlp_rows, "mlp"
+        if module == "o_proj":
+            return 1, q_rows, "q"
+        if module == "down_proj":
+            return 1, self.mlp_rows, "mlp"
+        return None
+
+    def _shard(self, name: str) -> torch.Tensor | None:
+        tensor = self._weights[name]
+        module, kind = name.rsplit(".", 2)[-2:]
+        split = self._split(module)
+        if split is not None and (split[0] == 0 or kind == "weight"):  # a column-parallel bias splits too
+            dim, rows, size = split
+            return self._slice(name, tensor, dim, rows, size)
         if module in ROW_PARALLEL:  # a bias: added once
             return tensor if self._group.rank == 0 else None
         if module in ("embed_tokens", "lm_head") and kind == "weight":
@@ -348,7 +358,7 @@ class ShardedWeights(Mapping):
             padding = (end - start) - rows.shape[0]
             return torch.cat([rows, rows.new_zeros(padding, rows.shape[1])]) if padding else rows.clone()
         # Norms, every rank holds them whole: over the hidden size, or per head (Qwen3's q/k norms).
-        size = dim if module in ("q_norm", "k_norm") else self._hidden_size
+        size = self._head_dim if module in ("q_norm", "k_norm") else self._hidden_size
         if "norm" in module and tensor.dim() == 1 and tensor.shape[0] == size:
             return tensor
         raise ValueError(f"tensor parallelism cannot split {name} {tuple(tensor.shape)}: it splits "
@@ -363,33 +373,22 @@ class ShardedWeights(Mapping):
         stay whole, so each rank's partial sum is its share of the product, and
         the float bias (with a static format's offset share per rank) stays on rank 0."""
         quantized = getattr(self._weights, "quantized", None)
-        weight = quantized(prefix) if quantized is not None else None
+        split = self._split(prefix.rsplit(".", 1)[-1])
+        weight = quantized(prefix) if quantized is not None and split is not None else None
         if weight is None or isinstance(weight, Fp8BlockWeight):
             return None
-        heads, dim = self.heads, self._head_dim
-        module = prefix.rsplit(".", 1)[-1]
-        if module == "q_proj":
-            rows = (heads.first_head * dim, (heads.first_head + heads.num_heads) * dim)
-        elif module in ("k_proj", "v_proj"):
-            rows = (heads.first_kv_head * dim, (heads.first_kv_head + heads.num_kv_heads) * dim)
-        elif module in ("gate_proj", "up_proj", "down_proj"):
-            rows = self.mlp_rows
-        elif module == "o_proj":
-            rows = (heads.first_head * dim, (heads.first_head + heads.num_heads) * dim)
-        else:
-            return None
-        start, length = rows[0], rows[1] - rows[0]
-        if module not in ROW_PARALLEL:  # output rows
+        dim, (start, end), _ = split
+        if dim == 0:  # output rows
             if isinstance(weight, Int8Weight):
-                return dataclasses.replace(weight, q=weight.q[start:start + length], scale=weight.scale[start:start + length])
-            return dataclasses.replace(weight, codes=weight.codes[start:start + length],
-                                       scale=weight.scale[start:start + length], low=weight.low[start:start + length])
+                return dataclasses.replace(weight, q=weight.q[start:end], scale=weight.scale[start:end])
+            return dataclasses.replace(weight, codes=weight.codes[start:end], scale=weight.scale[start:end],
+                                       low=weight.low[start:end])
         if isinstance(weight, Int8Weight):  # input columns
-            return dataclasses.replace(weight, q=weight.q[:, start:start + length].contiguous())
-        if start % GROUP or length % GROUP:
+            return dataclasses.replace(weight, q=weight.q[:, start:end].contiguous())
+        if start % GROUP or end % GROUP:
             return None
-        groups = slice(start // GROUP, (start + length) // GROUP)
-        return dataclasses.replace(weight, codes=weight.codes[:, start:start + length].contiguous(),
+        groups = slice(start // GROUP, end // GROUP)
+        return dataclasses.replace(weight, codes=weight.codes[:, start:end].contiguous(),
                                    scale=weight.scale[:, groups].contiguous(), low=weight.low[:, groups].contiguous())
 
     def _check(self, name: str, tensor: torch.Tensor, dim: int, size: str) -> None:

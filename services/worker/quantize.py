@@ -186,24 +186,26 @@ def quantize(source: str, out: Path, fmt: str, texts: list[str], alpha: float | 
     names = checkpoint.names
     linears = quantized_names(names, int(config["num_hidden_layers"]))
     kind = fmt.upper()
-    # Every tensor in float32 where smoothing may change it, else as stored.
-    weights = {name: checkpoint[name] if name in linears or "layernorm" in name or name.endswith("v_proj.bias")
-               else checkpoint.stored(name) for name in names}
     ranges: dict = {}
     static: set[str] = set()
-    if fmt == "w8a8" or alpha is not None:
+    if fmt == "w8a8" or alpha is not None:  # first: the calibration model is gone before the weights are read
         calibrated = [n.removesuffix(".weight") for n in linears if ".experts." not in n]
         static = {p for p in calibrated if fmt == "w8a8" and not p.endswith(DYNAMIC_IN_STATIC)}
         ranges = channel_ranges(model_dir, calibrated, texts)
-        if alpha is not None:
-            log.info("smoothed %d layers (alpha %.2f)", smooth(weights, ranges, config, alpha), alpha)
+    # Every tensor in float32 where smoothing may change it, else as stored.
+    smoothable = {n for n in names if n in linears or "layernorm" in n or n.endswith("v_proj.bias")}
+    weights = {name: checkpoint[name] if name in smoothable else checkpoint.stored(name) for name in names}
+    if alpha is not None:
+        log.info("smoothed %d layers (alpha %.2f)", smooth(weights, ranges, config, alpha), alpha)
     tensors: dict[str, torch.Tensor] = {}
     description: dict[str, str] = {"model_quant_type": kind, "version": "1.0.0"}
     for name in names:
         if name in linears:
             continue
-        stored = checkpoint.stored(name)
-        tensors[name] = weights[name].to(stored.dtype).contiguous()
+        tensor = weights[name]
+        if name in smoothable:  # read in float32: back to the dtype the file holds it in
+            tensor = tensor.to(checkpoint.stored(name).dtype)
+        tensors[name] = tensor.contiguous()
         description[name] = "FLOAT"
     for done, name in enumerate(linears, start=1):
         prefix = name.removesuffix(".weight")

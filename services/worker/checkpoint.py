@@ -71,13 +71,17 @@ class Checkpoint:
                 return prefix, part
         return None
 
-    def quantized(self, prefix: str) -> quantization.QuantizedWeight | None:
-        """The linear `prefix` as the checkpoint quantized it, where a platform's
-        kernels may take it as stored; None for a float or dequantized one."""
+    def quantized(self, prefix: str) -> quantization.QuantizedWeight | torch.Tensor | None:
+        """The linear `prefix` as the checkpoint quantized it: a weight a
+        platform's kernels may take as stored, or the float weight (run dtype, on
+        the device) where the format reads it dequantized; None where the
+        checkpoint does not quantize it."""
         if prefix not in self._linears:
             return None
         weight = self.scheme.load(prefix, self.stored, self._where.__contains__)
-        return None if isinstance(weight, torch.Tensor) else dataclasses.replace(weight, dtype=self.dtype)
+        if isinstance(weight, torch.Tensor):
+            return weight.to(dtype=self.dtype, device=self.device)
+        return dataclasses.replace(weight, dtype=self.dtype)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         quantized = self._quantized_part(name)

@@ -375,8 +375,8 @@ class ShardedWeights(Mapping):
         quantized = getattr(self._weights, "quantized", None)
         split = self._split(prefix.rsplit(".", 1)[-1])
         weight = quantized(prefix) if quantized is not None and split is not None else None
-        if weight is None or isinstance(weight, Fp8BlockWeight):
-            return None
+        if weight is None or isinstance(weight, (torch.Tensor, Fp8BlockWeight)):
+            return None  # split as its float weight
         dim, (start, end), _ = split
         if dim == 0:  # output rows
             if isinstance(weight, Int8Weight):

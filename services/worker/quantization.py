@@ -161,7 +161,9 @@ def linear_weight(weights, prefixes: list[str]) -> torch.Tensor | QuantizedWeigh
     as the checkpoint quantized it, where it did so alike for every block and
     `weights` can say (a Checkpoint), else float."""
     quantized = getattr(weights, "quantized", None)
-    parts = [quantized(p) for p in prefixes] if quantized is not None else [None]
+    parts = [quantized(p) if quantized is not None else None for p in prefixes]
+    # Read once: a part the checkpoint does not quantize comes as its float weight.
+    parts = [weights[p + ".weight"] if part is None else part for p, part in zip(prefixes, parts)]
     if all(isinstance(p, Int8Weight) for p in parts):
         fused = Int8Weight.cat(parts)
         if fused is not None:
@@ -172,4 +174,6 @@ def linear_weight(weights, prefixes: list[str]) -> torch.Tensor | QuantizedWeigh
         fused = Fp8BlockWeight.cat(parts)
         if fused is not None:
             return fused
-    return torch.cat([weights[p + ".weight"] for p in prefixes])
+    if all(isinstance(part, torch.Tensor) for part in parts):
+        return torch.cat(parts)
+    return torch.cat([weights[p + ".weight"] for p in prefixes])  # kinds that do not fuse: their float weights

@@ -80,8 +80,7 @@ def _quantize_activations(reference, static: dict[str, tuple[float, float] | Non
         def quantize(_module, args):
             x = args[0]
             if quant is None:
-                s = (x.abs().amax(-1, keepdim=True) / 127).clamp(min=1e-30)
-                return ((x / s).round().clamp(-127, 127) * s,)
+                return (_dynamic_int8(x),)
             scale, offset = quant
             return (((x / scale + offset).round().clamp(-128, 127) - offset) * scale,)
         return quantize

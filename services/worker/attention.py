@@ -29,6 +29,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
+from services.worker.graphs import GraphBuffers
 from services.worker.kv_cache import KVCachePool
 
 ATTENTION_NAME = "stormserve_paged"
@@ -73,6 +74,11 @@ class AttentionKernel(Protocol):
 
     def prepare(self, sequences: StepSequences, device: torch.device) -> Any:
         """Once per step: the kernel's inputs for every layer of it, on `device`."""
+
+    def graph_inputs(self, buffers: GraphBuffers) -> Any:
+        """The kernel's inputs for a captured decode step (graphs.py), read from
+        the persistent `buffers` at replay: views of them, never copies, and no
+        value of theirs read on the host."""
 
     def write_kv(self, key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor,
                  value: torch.Tensor, slot_mapping: torch.Tensor) -> None:

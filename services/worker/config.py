@@ -10,6 +10,7 @@ from services.common.tls import InternalTlsSettings, check_internal_tls, health_
 DEVICES = ("auto", "cpu", "cuda", "npu")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 ACTIVATIONS = ("auto", "int8", "bfloat16")
+GRAPHS = ("auto", "off")
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,9 @@ class WorkerConfig(InternalTlsSettings):
         "auto", "activations of 4-bit weights on CPU (a Q4 GGUF, AWQ, GPTQ, W4A16): int8 (quantized per row "
         "and group of 32, integer dot products, as llama.cpp does), bfloat16, or auto (int8 where the CPU has "
         "AVX2 or VNNI and a C compiler built the kernels)")
+    graphs: str = setting(
+        "auto", "decode steps replayed from device graphs captured at start: auto (on CUDA and Ascend, for the "
+        "models whose steps can be captured) or off (every step eager)")
     speculative_method: str = setting(
         "off", "the scheduler's setting of the same name; mtp: load the checkpoint's multi-token prediction "
         "module and return its draft with each sampled token")
@@ -60,6 +64,7 @@ class WorkerConfig(InternalTlsSettings):
         require(0 <= self.metrics_port <= 65535, f"metrics_port must be in [0, 65535], got {self.metrics_port}")
         require(self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}")
         require(self.activations in ACTIVATIONS, f"activations must be one of {ACTIVATIONS}, got {self.activations!r}")
+        require(self.graphs in GRAPHS, f"graphs must be one of {GRAPHS}, got {self.graphs!r}")
         require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         require(
             1 <= self.cache_block_size <= 512,

@@ -28,6 +28,7 @@ def build_runner(config: WorkerConfig, platform: Platform, group: TensorParallel
         max_seq_len=config.max_seq_len,
         tensor_parallel=group,
         mtp=config.speculative_method == "mtp",
+        graph_capture=platform.graph_capture() if config.graphs == "auto" else None,
     )
 
 

@@ -25,10 +25,13 @@ eager step without a device.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -68,7 +71,11 @@ class GraphCapture(Protocol):
     def new_graph(self) -> DeviceGraph: ...
 
     def memory_in_use(self) -> int:
-        """Bytes the device's allocator holds now (what the graphs' pool is measured by)."""
+        """Bytes the device's allocator holds now, cached blocks included (a
+        graph's private pool is held that way): what graphs are measured by."""
+
+    def empty_cache(self) -> None:
+        """Hand the allocator's cached, unused blocks back to the device."""
 
 
 class EagerGraph:
@@ -97,6 +104,9 @@ class EagerCapture:
     def memory_in_use(self) -> int:
         return 0
 
+    def empty_cache(self) -> None:
+        pass
+
 
 def _copy_into(static: Any, fresh: Any) -> None:
     if isinstance(static, torch.Tensor):
@@ -104,3 +114,146 @@ def _copy_into(static: Any, fresh: Any) -> None:
     else:
         for s, f in zip(static, fresh):
             _copy_into(s, f)
+
+
+def capture_sizes(max_batch_size: int) -> list[int]:
+    """The padded batch sizes graphs are captured for, as vLLM picks them: 1, 2,
+    4, then steps of 8, and the batch limit itself."""
+    sizes = {s for s in (1, 2, 4) if s < max_batch_size} | set(range(8, max_batch_size, 8))
+    return sorted(sizes | {max_batch_size})
+
+
+class StepGraphs:
+    """The decode-step graphs of one model runner and the buffers they read.
+
+    `forward(input_ids, step, logit_rows) -> logits` is the model's packed
+    forward (decoder.LeanDecoder). The pool must hold one reserved block past
+    the scheduler's (KVCachePool's `reserved_blocks`): the null block padding
+    writes to. Graphs for one row per sequence are captured by `capture_all`;
+    a drafted shape (each sequence the same 1 + k rows) is captured the first
+    time a step of it comes, while its rows fit the buffers.
+    """
+
+    def __init__(self, capture: GraphCapture, forward: Callable[..., torch.Tensor], pool, kernel,
+                 max_batch_size: int, max_blocks_per_seq: int, device: torch.device):
+        from services.worker.attention import PagedStep  # attention.py imports GraphBuffers from here
+
+        self._paged_step = PagedStep
+        self._capture, self._forward, self._pool, self._kernel = capture, forward, pool, kernel
+        self.sizes = capture_sizes(max_batch_size)
+        self.max_rows = max_batch_size
+        self.max_blocks = max_blocks_per_seq
+        self.null_block = pool.num_blocks
+        self._device = device
+        rows, seqs = self.max_rows, max_batch_size
+        self._input_ids = torch.zeros(rows, dtype=torch.long, device=device)
+        self._positions = torch.zeros(rows, dtype=torch.long, device=device)
+        self._slot_mapping = torch.zeros(rows, dtype=torch.long, device=device)
+        self._block_table = torch.zeros(seqs, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self._seq_lens = torch.zeros(seqs, dtype=torch.int32, device=device)
+        self._query_starts: dict[int, torch.Tensor] = {}  # per rows_per_seq: constant, arange * rows
+        # (rows_per_seq, num_seqs) -> the graph and the logits it writes
+        self._graphs: dict[tuple[int, int], tuple[DeviceGraph, torch.Tensor]] = {}
+        self._refused: set[int] = set()  # drafted shapes whose capture failed: eager from then on
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self._graphs)
+
+    def measure(self) -> int:
+        """Bytes the largest graph takes (captured, then dropped): what the KV
+        budget leaves for all of them, as they share its memory."""
+        before = self._capture.memory_in_use()
+        self._capture_one(1, self.sizes[-1])
+        taken = self._capture.memory_in_use() - before
+        self._graphs.clear()
+        self._capture.empty_cache()
+        return taken
+
+    def capture_all(self) -> None:
+        """One graph per padded batch size of plain decode steps, largest first
+        (the smaller ones reuse its memory in the shared pool)."""
+        for size in reversed(self.sizes):
+            self._capture_one(1, size)
+
+    def padded_size(self, num_seqs: int, rows_per_seq: int) -> int | None:
+        """The captured size a step of `num_seqs` sequences of `rows_per_seq` rows
+        pads to; None when no graph can take it."""
+        if rows_per_seq in self._refused or num_seqs * rows_per_seq > self.max_rows:
+            return None
+        return next((s for s in self.sizes if s >= num_seqs and s * rows_per_seq <= self.max_rows), None)
+
+    def run(self, token_ids: list[list[int]], num_computed: list[int],
+            block_tables: list[list[int]]) -> torch.Tensor | None:
+        """The logits [rows, vocab] of a decode-only step (every sequence
+        `len(token_ids[0])` rows, every row sampled), replayed; None when no
+        graph takes the step (the caller runs it eagerly)."""
+        num_seqs, rows_per_seq = len(token_ids), len(token_ids[0])
+        size = self.padded_size(num_seqs, rows_per_seq)
+        if size is None or any(len(t) > self.max_blocks for t in block_tables):
+            return None
+        graph = self._graphs.get((rows_per_seq, size))
+        if graph is None:
+            if rows_per_seq == 1:
+                return None  # not captured (capture_all not run)
+            try:
+                graph = self._capture_one(rows_per_seq, size)
+            except Exception as exc:  # noqa: BLE001 - the step still runs, eagerly
+                self._refused.add(rows_per_seq)
+                log.warning("decode steps of %d rows per sequence run eagerly: capturing %d sequences failed: %s",
+                            rows_per_seq, size, exc)
+                return None
+        seq_lens = self._fill(token_ids, num_computed, block_tables, size)
+        graph[0].replay(seq_lens)
+        return graph[1][: num_seqs * rows_per_seq]
+
+    def _buffers(self, rows_per_seq: int, num_seqs: int) -> GraphBuffers:
+        rows = num_seqs * rows_per_seq
+        query_start = self._query_starts.get(rows_per_seq)
+        if query_start is None:
+            query_start = torch.arange(self.max_rows + 1, dtype=torch.int32, device=self._device) * rows_per_seq
+            self._query_starts[rows_per_seq] = query_start
+        return GraphBuffers(num_seqs, rows_per_seq, self._input_ids[:rows], self._positions[:rows],
+                            self._slot_mapping[:rows], self._block_table[:num_seqs], self._seq_lens[:num_seqs],
+                            query_start[: num_seqs + 1])
+
+    def _capture_one(self, rows_per_seq: int, num_seqs: int) -> tuple[DeviceGraph, torch.Tensor]:
+        buffers = self._buffers(rows_per_seq, num_seqs)
+        self._fill([], [], [], num_seqs, rows_per_seq)  # every sequence padding: valid values to warm up on
+        step = self._paged_step(self._pool, buffers.positions, buffers.slot_mapping, self._kernel,
+                                self._kernel.graph_inputs(buffers), (), None)
+        logit_rows = torch.arange(buffers.num_rows, device=self._device)
+        graph = self._capture.new_graph()
+        logits = graph.capture(lambda: self._forward(buffers.input_ids, step, logit_rows))
+        self._graphs[(rows_per_seq, num_seqs)] = graph, logits
+        return graph, logits
+
+    def _fill(self, token_ids: list[list[int]], num_computed: list[int], block_tables: list[list[int]],
+              size: int, rows_per_seq: int | None = None) -> list[int]:
+        """Copy a step into the buffers, padded to `size` sequences; returns the
+        context lengths (padding included) on the host."""
+        q = rows_per_seq or len(token_ids[0])
+        num_seqs, block_size = len(token_ids), self._pool.spec.block_size
+        offsets = torch.arange(q)
+        # Padding: positions 0..q-1 of a sequence that lives in the null block.
+        computed = torch.zeros(size, dtype=torch.long)
+        tables = torch.full((size, self.max_blocks), self.null_block, dtype=torch.long)
+        ids = torch.zeros(size * q, dtype=torch.long)
+        if num_seqs:
+            computed[:num_seqs] = torch.tensor(num_computed)
+            for row, table in enumerate(block_tables):
+                tables[row, : len(table)] = torch.tensor(table)
+            ids[: num_seqs * q] = torch.tensor([t for ts in token_ids for t in ts])
+        positions = (computed[:, None] + offsets).flatten()
+        seq_of_row = torch.arange(size).repeat_interleave(q)
+        blocks = tables[seq_of_row, positions // block_size]
+        slots = blocks * block_size + positions % block_size
+        seq_lens = computed + q
+        rows = size * q
+        self._input_ids[:rows].copy_(ids, non_blocking=True)
+        self._positions[:rows].copy_(positions, non_blocking=True)
+        self._slot_mapping[:rows].copy_(slots, non_blocking=True)
+        self._block_table[:size].copy_(tables, non_blocking=True)
+        self._seq_lens[:size].copy_(seq_lens, non_blocking=True)
+        return seq_lens.tolist()
+

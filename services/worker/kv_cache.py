@@ -131,14 +131,16 @@ class KVCachePool:
     latent_cache [num_layers, num_slots, kv_lora_rank] and rope_cache
     [num_layers, num_slots, rope_dim]. `caches` holds whichever pair it has."""
 
-    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device):
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device, reserved_blocks: int = 0):
+        """`num_blocks` the scheduler's (ids 0 to num_blocks - 1); `reserved_blocks`
+        more past them are the worker's own (graphs.py's null block)."""
         if num_blocks < 1:
             raise ValueError(
                 f"KV cache budget too small: one block needs {spec.bytes_per_block} bytes"
             )
         self.spec = spec
         self.num_blocks = num_blocks
-        self.num_slots = num_blocks * spec.block_size
+        self.num_slots = (num_blocks + reserved_blocks) * spec.block_size
         if spec.latent is None:
             shape = (spec.num_layers, self.num_slots, spec.num_kv_heads, spec.head_dim)
             self.key_cache = torch.empty(shape, dtype=spec.dtype, device=device)

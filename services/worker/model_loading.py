@@ -71,12 +71,14 @@ def generation_config(model_dir: Path, config) -> GenerationConfig:
         return GenerationConfig.from_model_config(config)
 
 
-def auto_kv_budget(spec: KVCacheSpec, max_batch_size: int, max_seq_len: int, backend: Platform) -> int:
+def auto_kv_budget(spec: KVCacheSpec, max_batch_size: int, max_seq_len: int, backend: Platform,
+                   reserved: int = 0) -> int:
     """Room for `max_batch_size` sequences of `max_seq_len` tokens, so that no
     request within the configured limits is ever preempted, but no more than
-    the backend's share of the memory available now."""
+    the backend's share of the memory available now, less `reserved` bytes
+    (what the decode graphs will take)."""
     needed = max_batch_size * -(-max_seq_len // spec.block_size) * spec.bytes_per_block
-    available = int(backend.available_memory() * backend.kv_memory_fraction)
+    available = max(0, int(backend.available_memory() * backend.kv_memory_fraction) - reserved)
     budget = min(needed, available)
     log.info("KV budget: %.0f MiB (%d sequences of %d tokens need %.0f MiB; %.0f MiB may be taken)",
              budget / 2**20, max_batch_size, max_seq_len, needed / 2**20, available / 2**20)

@@ -29,7 +29,8 @@ from services.worker import attention, quant_formats, quantization, sampler, spe
 from services.worker.admission import StepAdmission
 from services.worker.platforms import Platform, torch_dtype
 from services.worker.checkpoint import Checkpoint
-from services.worker.decoder import SUPPORTED_MODEL_TYPES, LeanDecoder
+from services.worker.decoder import SUPPORTED_MODEL_TYPES, LeanDecoder, MoeMlp
+from services.worker.graphs import GraphCapture, StepGraphs
 from services.worker.guided import GrammarError, GuidedDecoding
 from services.worker.kv_cache import KVCachePool, KVCacheSpec
 from services.worker.model_loading import (
@@ -121,10 +122,13 @@ class ModelRunner(StepAdmission):
         max_seq_len: int = 2560,
         tensor_parallel: TensorParallel | None = None,
         mtp: bool = False,
+        graph_capture: GraphCapture | None = None,
     ):
         """`kv_cache_bytes` 0: an automatic budget (auto_kv_budget); per rank of
         `tensor_parallel`, the group this runner is one rank of (parallel.py).
-        `mtp`: draft with the checkpoint's multi-token prediction module (mtp.py)."""
+        `mtp`: draft with the checkpoint's multi-token prediction module (mtp.py).
+        `graph_capture`: replay decode steps from graphs made by it (graphs.py)
+        where the model allows; None runs every step eagerly."""
         self.model_dir = model_dir
         self.backend = backend
         self.dtype_name = dtype
@@ -180,18 +184,26 @@ class ModelRunner(StepAdmission):
         self.vocab_size: int = int(text_config.vocab_size)
         self.max_position_embeddings: int = getattr(text_config, "max_position_embeddings", None) or 0
         return_freed_memory()  # conversion copies, before the pool takes its share
-        with torch.inference_mode():
-            if kv_cache_bytes == 0:
-                if self.max_position_embeddings:
-                    max_seq_len = min(max_seq_len, self.max_position_embeddings)
-                kv_cache_bytes = auto_kv_budget(spec, max_batch_size, max_seq_len, backend)
-            num_blocks = spec.num_blocks_for(kv_cache_bytes)
-            if tensor_parallel is not None:  # one block id means the same tokens on every rank
-                num_blocks = tensor_parallel.min_over_ranks(num_blocks)
-            self.kv_pool = KVCachePool(spec, num_blocks, backend.device)
         # MLA reads the latent pool itself (mla.py): no per-head attention kernel.
         self.attention_kernel = None if spec.latent is not None else backend.paged_attention(
             dtype_t, num_heads, num_kv_heads, spec.head_dim, block_size)
+        if self.max_position_embeddings:
+            max_seq_len = min(max_seq_len, self.max_position_embeddings)
+        graphs_off = "off: none asked for" if graph_capture is None else self._graphs_refused(spec, mtp)
+        with torch.inference_mode():
+            if kv_cache_bytes == 0:
+                graph_memory = 0
+                if not graphs_off:  # counted before the pool takes its share
+                    graph_memory = self._new_graphs(graph_capture, KVCachePool(spec, 1, backend.device, 1),
+                                                    max_seq_len).measure()
+                kv_cache_bytes = auto_kv_budget(spec, max_batch_size, max_seq_len, backend, graph_memory)
+            num_blocks = spec.num_blocks_for(kv_cache_bytes)
+            if tensor_parallel is not None:  # one block id means the same tokens on every rank
+                num_blocks = tensor_parallel.min_over_ranks(num_blocks)
+            self.kv_pool = KVCachePool(spec, num_blocks, backend.device, reserved_blocks=0 if graphs_off else 1)
+            self.graphs = None if graphs_off else self._capture_graphs(graph_capture, max_seq_len)
+        if self.graphs is None:
+            log.info("decode steps run eagerly (graphs %s)", graphs_off or "failed to capture")
         self.mtp = MtpDrafter(self.decoder, self.kv_pool, backend.device) if mtp else None
         self.block_size = block_size
         self.sequences: dict[int, SequenceState] = {}
@@ -202,6 +214,36 @@ class ModelRunner(StepAdmission):
             "lean" if isinstance(self.decoder, LeanDecoder) else "HF modules",
             "the native kernel" if self.attention_kernel else "SDPA", time.monotonic() - started,
         )
+
+    def _graphs_refused(self, spec: KVCacheSpec, mtp: bool) -> str:
+        """Why this model's decode steps cannot replay from graphs; "" when they can."""
+        if not isinstance(self.decoder, LeanDecoder):
+            return "off: the model runs through the HF modules"
+        if self.tensor_parallel is not None or mtp:
+            return "off: not under tensor parallelism or MTP drafting"
+        if spec.latent is not None or any(isinstance(layer.mlp, MoeMlp) for layer in self.decoder.layers):
+            return "off: MLA and mixture-of-experts layers are not captured"
+        if self.attention_kernel is None:
+            return "off: attention runs through SDPA, whose shapes change with the contexts"
+        return ""
+
+    def _new_graphs(self, capture: GraphCapture, pool: KVCachePool, max_seq_len: int) -> StepGraphs:
+        return StepGraphs(capture, self.decoder, pool, self.attention_kernel, self.max_batch_size,
+                          -(-max_seq_len // pool.spec.block_size), self.backend.device)
+
+    def _capture_graphs(self, capture: GraphCapture, max_seq_len: int) -> StepGraphs | None:
+        graphs = self._new_graphs(capture, self.kv_pool, max_seq_len)
+        started, before = time.monotonic(), capture.memory_in_use()
+        try:
+            graphs.capture_all()
+        except Exception:  # noqa: BLE001 - the worker serves all the same, eagerly
+            log.exception("capturing decode-step graphs failed; decode steps run eagerly")
+            capture.empty_cache()
+            return None
+        log.info("decode steps replay %s graphs: %d batch sizes (%s) captured in %.2f s, %.0f MiB", capture.name,
+                 graphs.num_graphs, ", ".join(map(str, graphs.sizes)), time.monotonic() - started,
+                 (capture.memory_in_use() - before) / 2**20)
+        return graphs
 
     def describe(self) -> ModelDescription:
         generation = self.generation_config
@@ -278,8 +320,9 @@ class ModelRunner(StepAdmission):
     def forward(self, inputs: list[SequenceInput]) -> torch.Tensor:
         """Validate, run the packed forward and commit the new cache lengths.
 
-        Returns logits [num inputs with sample=True, vocab] in input order; a
-        sequence `step` would refuse alone raises INVALID_ARGUMENT here.
+        Returns logits [num inputs with sample=True, vocab] in input order, good
+        until the next step (a replayed graph writes the next step's into the
+        same memory); a sequence `step` would refuse alone raises INVALID_ARGUMENT here.
         """
         inputs, refused = self._check(inputs)
         if not refused:
@@ -371,6 +414,11 @@ class ModelRunner(StepAdmission):
                 state.num_grammar_tokens += 1
 
     def _run_model(self, inputs: list[SequenceInput]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.graphs is not None and self._decode_only(inputs):
+            logits = self.graphs.run([s.token_ids for s in inputs], [s.num_computed_tokens for s in inputs],
+                                     [s.block_table for s in inputs])
+            if logits is not None:
+                return logits, None
         device = self.backend.device
         step = attention.build_paged_step(
             self.kv_pool,
@@ -396,6 +444,12 @@ class ModelRunner(StepAdmission):
         if self.mtp is not None:
             return self.decoder(input_ids, step, logit_rows, keep_hidden=True)
         return self.decoder(input_ids, step, logit_rows), None
+
+    @staticmethod
+    def _decode_only(inputs: list[SequenceInput]) -> bool:
+        """Every sequence feeds the same number of rows and samples each of them."""
+        rows = len(inputs[0].token_ids)
+        return all(s.sample and len(s.token_ids) == rows == speculative.num_rows(s) for s in inputs)
 
     def _with_drafts(self, inputs: list[SequenceInput], hidden: torch.Tensor,
                      tokens: list[SampledToken]) -> list[SampledToken]:

@@ -31,7 +31,9 @@ class Rotary:
 
     def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] -> cos, sin [T, head_dim]."""
-        freqs = positions[:, None].float() * self.inv_freq.to(positions.device)
+        if self.inv_freq.device != positions.device:  # moved once: no copy inside a captured graph
+            self.inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions[:, None].float() * self.inv_freq
         angles = torch.cat((freqs, freqs), dim=-1)
         return (angles.cos() * self.scaling).to(dtype), (angles.sin() * self.scaling).to(dtype)
 

@@ -24,6 +24,7 @@ from typing import ClassVar, Protocol
 import torch
 import torch.nn.functional as F
 
+from services.worker.graphs import GraphCapture
 from services.worker.quantization import QuantizedWeight, as_float
 from services.worker.platforms.moe_ops import (ANY_HEAD_DIM, LinearExperts, MoeExperts, MoeRouting, TorchExperts,
                                                select_experts)
@@ -168,6 +169,12 @@ class Platform:
         """This device's fused MLA ops (mla.MlaOps) over a latent pool of `spec`
         (kv_cache.KVCacheSpec) for `num_heads` query heads (this rank's); None
         means mla.py's torch ops."""
+        return None
+
+    def graph_capture(self) -> GraphCapture | None:
+        """What captures this device's decode steps as graphs (graphs.py), its
+        graphs sharing one memory pool; None, the default: no graphs on this
+        device, every step runs eagerly."""
         return None
 
     def set_device(self, local_rank: int) -> None:

@@ -12,6 +12,7 @@ import torch
 
 from services.worker import cpu_kernels, int4, int8_kernels
 from services.worker.attention import StepSequences, write_kv_by_slot
+from services.worker.graphs import GraphBuffers
 from services.worker.platforms.base import Linear, Platform, TorchLayerOps, host_available_memory, plain_linear
 from services.worker.quantization import FourBitWeight, Int8Weight, QuantizedWeight, as_float
 from services.worker.platforms.moe_ops import ANY_HEAD_DIM, LinearExperts, MoeExperts, SortedExperts, SortedRows
@@ -131,10 +132,20 @@ class CpuAttention:
     def prepare(self, sequences: StepSequences, device: torch.device) -> StepSequences:
         return sequences
 
+    def graph_inputs(self, buffers: GraphBuffers) -> GraphBuffers:
+        """The buffers themselves, read as each call finds them: the CPU replays
+        no graphs, but graphs.EagerCapture runs captured steps through here."""
+        return buffers
+
     write_kv = staticmethod(write_kv_by_slot)
 
     def __call__(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                 inputs: StepSequences, block_size: int, scale: float, sliding_window: int | None) -> torch.Tensor:
+                 inputs: StepSequences | GraphBuffers, block_size: int, scale: float,
+                 sliding_window: int | None) -> torch.Tensor:
+        if isinstance(inputs, GraphBuffers):
+            starts = inputs.query_start[:-1].long()
+            inputs = StepSequences(inputs.block_table.long(), starts, torch.full_like(starts, inputs.rows_per_seq),
+                                   inputs.seq_lens.long())
         return self._kernel(query, key_cache, value_cache, inputs.block_tables, inputs.starts, inputs.num_new,
                             inputs.context_lens, block_size, scale, sliding_window)
 

@@ -26,6 +26,13 @@ Top-k / top-p only look at each row's best candidates (one batched topk), not a
 full-vocab sort (a 49k-entry sort costs ~8 ms per row on CPU); a top-p row
 whose nucleus is wider than its candidates (a flat distribution) is redone
 alone with 8x more, up to the whole vocabulary.
+
+On an accelerator, where a vocabulary-wide sort is cheap and every host sync
+stalls the device's queue, there are no such second passes: every random row
+draws from its whole vocabulary sorted best first (the head's CDF, then the
+tail's, rather than the exponential race), and top-p rows start from all
+their tokens. The step's results then come back in one copy to pinned host
+memory, the one sync of sampling.
 """
 from __future__ import annotations
 
@@ -66,8 +73,10 @@ class _Distribution:
 
 
 def _filtered(scaled: torch.Tensor, params: list[SamplingParams]) -> _Distribution:
-    """Top-k then top-p over each row's best candidates."""
+    """Top-k then top-p over each row's best candidates (all of them on an accelerator)."""
     vocab_size = scaled.shape[1]
+    if scaled.device.type != "cpu":
+        return _filtered_top(scaled, params, vocab_size)
     wants = [p.top_k if 0 < p.top_k < vocab_size else NUCLEUS_CANDIDATES for p in params]
     wants.append(max(p.top_logprobs for p in params))  # alternatives come from the candidates
     return _filtered_top(scaled, params, min(vocab_size, max(wants)))
@@ -179,22 +188,45 @@ def _sample_group(
     """Tokens, logprobs and alternatives for rows that share a path (plain or filtered)."""
     num_rows = len(params)
     if not is_filtered and all(p.is_greedy and p.top_logprobs < 0 for p in params):
-        return argmax_rows(scaled).tolist(), [None] * num_rows, [[] for _ in range(num_rows)]
+        return _to_host(argmax_rows(scaled))[0], [None] * num_rows, [[] for _ in range(num_rows)]
     dist = _filtered(scaled, params) if is_filtered else _Distribution(scaled.log_softmax(dim=1), None)
     tokens, chosen = _choose(dist, params, uniforms)
-    chosen_list = chosen.clamp(min=MIN_LOGPROB).tolist()
+    num_alternatives = min(max(p.top_logprobs for p in params), scaled.shape[1])
+    alt_ids, alt_values = _alternatives(dist, max(num_alternatives, 0))
+    token_list, chosen_list, alt_ids, alt_values = _to_host(tokens, chosen.clamp(min=MIN_LOGPROB), alt_ids,
+                                                            alt_values)
     logprobs = [chosen_list[n] if p.top_logprobs >= 0 else None for n, p in enumerate(params)]
     alternatives: list[list[TokenLogprob]] = [[] for _ in range(num_rows)]
-    num_alternatives = min(max(p.top_logprobs for p in params), scaled.shape[1])
     if num_alternatives > 0:
-        alt_ids, alt_values = (t.tolist() for t in _alternatives(dist, num_alternatives))
         for n, p in enumerate(params):
             wanted = max(p.top_logprobs, 0)
             alternatives[n] = [
                 TokenLogprob(t, max(v, MIN_LOGPROB))
                 for t, v in zip(alt_ids[n][:wanted], alt_values[n][:wanted])
             ]
-    return tokens.tolist(), logprobs, alternatives
+    return token_list, logprobs, alternatives
+
+
+def _to_host(*tensors: torch.Tensor) -> list[list]:
+    """The tensors' values as lists: from an accelerator in one copy to pinned
+    memory (one sync), integer tensors exact (as float64, below 2**53)."""
+    if tensors[0].device.type == "cpu":
+        return [t.tolist() for t in tensors]
+    flat = torch.cat([t.flatten().to(torch.float64) for t in tensors])
+    host = torch.empty(flat.shape, dtype=torch.float64, pin_memory=True)
+    host.copy_(flat, non_blocking=True)
+    torch.accelerator.synchronize(flat.device)
+    values, out, start = host.tolist(), [], 0
+    for t in tensors:
+        part = values[start: start + t.numel()]
+        start += t.numel()
+        if not t.is_floating_point():
+            part = [int(v) for v in part]
+        if t.dim() == 2:
+            width = t.shape[1]
+            part = [part[i * width: (i + 1) * width] for i in range(t.shape[0])]
+        out.append(part)
+    return out
 
 
 def draw_uniform(generator: torch.Generator | None) -> float:
@@ -217,7 +249,9 @@ def sample(
     token_ids = [0] * num_rows
     logprobs: list[float | None] = [None] * num_rows
     alternatives: list[list[TokenLogprob]] = [[] for _ in range(num_rows)]
-    is_filtered = [0 < p.top_k < vocab_size or p.top_p < 1.0 for p in params]
+    # On an accelerator every random row draws from its sorted candidates (module docstring).
+    sorts_all = device.type != "cpu"
+    is_filtered = [0 < p.top_k < vocab_size or p.top_p < 1.0 or (sorts_all and not p.is_greedy) for p in params]
     for path in (False, True):
         rows = [i for i in range(num_rows) if is_filtered[i] == path]
         if not rows:

@@ -30,7 +30,7 @@ class WorkerConfig(InternalTlsSettings):
         "(auto: bfloat16, or float32 on a CPU without native bfloat16)",
     )
     cache_block_size: int = setting(
-        16, "tokens per KV cache block (fused paged attention: 128 on NPU, a multiple of 256 on CUDA)",
+        16, "tokens per KV cache block (fused paged attention: 128 to 512 on NPU, a multiple of 16 on CUDA)",
         alias="cacheBlockSize",
     )
     kv_cache_mib: int = setting(

@@ -194,8 +194,13 @@ class ModelRunner(StepAdmission):
             if kv_cache_bytes == 0:
                 graph_memory = 0
                 if not graphs_off:  # counted before the pool takes its share
-                    graph_memory = self._new_graphs(graph_capture, KVCachePool(spec, 1, backend.device, 1),
-                                                    max_seq_len).measure()
+                    try:
+                        graph_memory = self._new_graphs(graph_capture, KVCachePool(spec, 1, backend.device, 1),
+                                                        max_seq_len).measure()
+                    except Exception as exc:  # noqa: BLE001 - the worker serves all the same, eagerly
+                        log.exception("capturing a decode-step graph failed")
+                        graphs_off = f"off: capture failed ({exc})"
+                        graph_capture.empty_cache()
                 kv_cache_bytes = auto_kv_budget(spec, max_batch_size, max_seq_len, backend, graph_memory)
             num_blocks = spec.num_blocks_for(kv_cache_bytes)
             if tensor_parallel is not None:  # one block id means the same tokens on every rank

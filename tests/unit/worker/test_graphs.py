@@ -208,3 +208,21 @@ def test_measure_counts_the_largest_graph_and_drops_it(graph_runner):
     with torch.inference_mode():
         taken = probe.measure()
     assert taken == 1000 and probe.num_graphs == 0 and capture.emptied == 1
+
+
+def test_a_failed_capture_leaves_the_worker_serving_eagerly(model_dir, runner):
+    class Failing(EagerCapture):
+        def new_graph(self) -> EagerGraph:
+            class Broken(EagerGraph):
+                def capture(self, run):
+                    raise RuntimeError("operation not permitted when stream is capturing")
+
+            return Broken()
+
+    for kv_cache_bytes in (0, 4 * 2**20):  # with the measure before an automatic budget, and without
+        r = ModelRunner(model_dir, select_platform("cpu"), dtype="float32", block_size=TEST_BLOCK_SIZE,
+                        kv_cache_bytes=kv_cache_bytes, max_batch_size=2, max_seq_len=MAX_SEQ_LEN,
+                        graph_capture=Failing())
+        assert r.graphs is None
+        prompts = {1: _prompt(1, 5)}
+        assert _decode(r, prompts, 2)[0] == _decode(runner, prompts, 2)[0]

@@ -11,7 +11,8 @@ documentation says it ignores. Never a model of speed or of the kernels'
 rounding: it computes in float32 and rounds once.
 
 Importing it also installs `torch.npu` (the device namespace torch_npu
-registers) as far as the platform uses it. Tensors stay on the CPU, and
+registers) as far as the platform uses it, graph capture and replay
+included (_graphs.py). Tensors stay on the CPU, and
 torch.npu.is_available() is False: no device is there, and transformers'
 own NPU integrations (which this module does not model) stay off; tests
 build the NPU platform directly. The ops stay registered for the rest of
@@ -328,6 +329,9 @@ npu_interleave_rope = torch.ops.npu.npu_interleave_rope
 npu_fused_infer_attention_score_v2 = torch.ops.npu.npu_fused_infer_attention_score_v2
 
 
+from torch_npu import _graphs  # noqa: E402
+
+
 def _host_memory(device=None) -> tuple[int, int]:
     from services.worker.platforms.base import host_available_memory
 
@@ -341,6 +345,13 @@ npu = types.SimpleNamespace(
     set_device=lambda device: None,
     synchronize=lambda device=None: None,
     mem_get_info=_host_memory,
+    # Graph capture and replay, and the bytes graphs hold (_graphs.py).
+    NPUGraph=_graphs.NPUGraph,
+    graph=_graphs.graph,
+    graph_pool_handle=_graphs.graph_pool_handle,
+    memory_allocated=_graphs.memory_allocated,
+    memory_reserved=_graphs.memory_reserved,
+    empty_cache=lambda: None,
 )
 torch.npu = npu
 

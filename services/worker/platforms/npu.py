@@ -36,6 +36,11 @@
   grouped sigmoid with its bias, and softmax top-k), then vllm-ascend's chain:
   npu_moe_init_routing_v2, npu_grouped_matmul, npu_swiglu,
   npu_grouped_matmul, npu_moe_token_unpermute (NpuExperts).
+- Decode steps as graphs (npu_graphs.py): torch.npu.NPUGraph, captured with
+  auto_dispatch_capture, the fused op's context lengths updated before each
+  replay. A captured step's inputs are views of the persistent buffers
+  (NpuAttention.graph_inputs); its windowed decodes attend through SDPA over
+  the last `window` positions of each context, laid out by device ops.
 - torch.npu.set_device / synchronize / mem_get_info; HCCL collectives.
 
 Never run on an NPU in this repository: tests/fake_npu holds a torch_npu whose
@@ -53,9 +58,11 @@ from typing import ClassVar
 import torch
 
 from services.worker.attention import DecodeBatch, StepSequences, decode_batch, decode_sdpa, write_kv_by_slot
+from services.worker.graphs import GraphBuffers
 from services.worker.kv_cache import KVCacheSpec
 from services.worker.platforms.base import Linear, Platform
 from services.worker.platforms.moe_ops import RENORM_EPS, MoeRouting
+from services.worker.platforms.npu_graphs import NpuGraphCapture
 from services.worker.platforms.npu_moe import NpuExperts, gating_fits
 from services.worker.platforms.npu_quant import quantized_linear
 from services.worker.quantization import QuantizedWeight
@@ -93,23 +100,52 @@ def takes_cache_mode(scatter_op) -> bool:
 
 @dataclass
 class NpuStepInputs:
+    """One step's inputs to the fused op: prepared from the host's
+    StepSequences for an eager step, or views of the persistent GraphBuffers
+    for a captured one (NpuAttention.graph_inputs)."""
+
     block_table: torch.Tensor  # [S, max_blocks] int32 on the device
     actual_seq_lengths: list[int]  # cumulative query ends, TND's convention
-    actual_seq_lengths_kv: list[int]  # each sequence's context, new tokens included
-    sequences: StepSequences  # on the host
+    # Each sequence's context, new tokens included. A captured step's is a
+    # placeholder: the graph bakes host values in, and NpuGraph.replay
+    # refreshes the captured ops' copies before each replay.
+    actual_seq_lengths_kv: list[int]
+    decode_only: bool  # one new token per sequence: the op's decode branch
     block_size: int
     device: torch.device
-
-    @property
-    def decode_only(self) -> bool:
-        return int(self.sequences.num_new.max()) == 1
+    sequences: StepSequences | None  # on the host; None in a captured step
+    seq_lens: torch.Tensor | None = None  # [S] int32 on the device: a captured step's context lengths
 
     @functools.cached_property
     def decode(self) -> DecodeBatch:
-        """A decode-only step as attention.py's SDPA path lays it out, built
-        once per step where a windowed layer needs it."""
+        """An eager decode-only step as attention.py's SDPA path lays it out,
+        built once per step where a windowed layer needs it."""
         s = self.sequences
+        assert s is not None, "a captured step lays out its windowed decodes with window_decode"
         return decode_batch(s.block_tables, s.starts, s.context_lens, self.block_size, self.device)
+
+    def window_decode(self, window: int) -> DecodeBatch:
+        """A decode-only step's layout for a layer attending over `window`
+        keys: the eager step's (decode); in a captured step, made by device
+        ops from the buffers each time (the graph replays them) over the last
+        `window` positions of each context (at most what a block table
+        holds), so no value is read on the host and every shape is fixed."""
+        if self.sequences is not None:
+            return self.decode
+        assert self.seq_lens is not None
+        span = min(window, self.block_table.shape[1] * self.block_size)
+        lengths = self.seq_lens.long()
+        positions = lengths[:, None] - span + torch.arange(span, device=self.device)[None, :]  # [S, span]
+        valid = positions >= 0
+        positions = positions.clamp(min=0)  # masked keys read position 0, which was written
+        blocks = torch.gather(self.block_table, 1, positions // self.block_size).long()
+        return DecodeBatch(
+            rows=torch.arange(lengths.shape[0], device=self.device),
+            context_slots=blocks * self.block_size + positions % self.block_size,
+            key_positions=positions,
+            query_positions=(lengths - 1)[:, None],
+            mask=valid[:, None, None, :],
+        )
 
 
 class NpuAttention:
@@ -129,9 +165,27 @@ class NpuAttention:
             block_table=sequences.block_tables.to(device=device, dtype=torch.int32),
             actual_seq_lengths=torch.cumsum(sequences.num_new, 0).tolist(),
             actual_seq_lengths_kv=sequences.context_lens.tolist(),
-            sequences=sequences,
+            decode_only=int(sequences.num_new.max()) == 1,
             block_size=self._block_size,
             device=device,
+            sequences=sequences,
+        )
+
+    def graph_inputs(self, buffers: GraphBuffers) -> NpuStepInputs:
+        """A captured decode step's inputs: the buffers' block table itself,
+        the query ends fixed by the captured size, and context lengths that
+        stand in until NpuGraph.replay updates the captured ops with the
+        step's (each sequence's new rows, a length the op takes)."""
+        num_seqs, rows = buffers.num_seqs, buffers.rows_per_seq
+        return NpuStepInputs(
+            block_table=buffers.block_table,
+            actual_seq_lengths=[rows * (i + 1) for i in range(num_seqs)],
+            actual_seq_lengths_kv=[rows] * num_seqs,
+            decode_only=rows == 1,
+            block_size=self._block_size,
+            device=buffers.block_table.device,
+            sequences=None,
+            seq_lens=buffers.seq_lens,
         )
 
     def _blocks(self, cache: torch.Tensor) -> torch.Tensor:
@@ -151,7 +205,8 @@ class NpuAttention:
     def __call__(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                  inputs: NpuStepInputs, block_size: int, scale: float, sliding_window: int | None) -> torch.Tensor:
         if sliding_window is not None and inputs.decode_only:  # the decode branch would drop the band
-            return decode_sdpa(query, key_cache, value_cache, inputs.decode, scale, sliding_window)
+            return decode_sdpa(query, key_cache, value_cache, inputs.window_decode(sliding_window), scale,
+                               sliding_window)
         band = {} if sliding_window is None else {
             "sparse_mode": BAND, "pre_tokens": sliding_window - 1, "next_tokens": 0}
         out, _ = self._npu.npu_fused_infer_attention_score(
@@ -262,6 +317,9 @@ class NpuPlatform(Platform):
 
     def set_device(self, local_rank: int) -> None:
         torch.npu.set_device(local_rank)  # type: ignore[attr-defined]
+
+    def graph_capture(self) -> NpuGraphCapture:
+        return NpuGraphCapture(self.device)
 
     def linear(self, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None) -> Linear:
         """A quantized weight on the Ascend quantized matmuls (npu_quant.py), as it is stored."""

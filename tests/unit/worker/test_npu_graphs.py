@@ -1,5 +1,7 @@
 """Ascend graphs on CPU: the fake torch_npu's NPUGraph (tests/fake_npu/torch_npu/_graphs.py)
-held to the real capture/replay/update semantics."""
+held to the real capture/replay/update semantics, and the NPU attention kernel
+replayed from a captured decode step over persistent buffers (graphs.py) held
+to the same kernel run eagerly on the same step."""
 from __future__ import annotations
 
 import gc
@@ -9,6 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from services.worker import attention
+from services.worker.graphs import GraphBuffers
+from services.worker.kv_cache import KVCachePool, KVCacheSpec
+from services.worker.platforms.cpu import CpuPlatform
 
 FAKE_NPU = Path(__file__).resolve().parents[2] / "fake_npu"
 CPU = torch.device("cpu")
@@ -144,3 +151,93 @@ def test_update_needs_auto_dispatch_capture(npu_platform):
         _attend(npu, query, cache, torch.tensor([[0]], dtype=torch.int32), [1], [5])
     with pytest.raises(RuntimeError, match="auto_dispatch_capture=True"):
         g.update(cpu_update_input=[{"actual_seq_lengths_kv": [6]}])
+
+
+# --- NpuAttention replayed from a captured decode step --------------------------------------------------------
+
+
+def test_platforms_without_graphs_say_so(npu_platform):
+    assert CpuPlatform(CPU).graph_capture() is None
+    assert npu_platform.graph_capture().name == "npugraph"
+
+
+class _Step:
+    """Persistent step buffers for `num_seqs` sequences of `rows` new tokens
+    (graphs.GraphBuffers, plus the attention's own query / key / value), and
+    what the runner copies into them before a replay."""
+
+    def __init__(self, num_seqs: int, rows: int, max_blocks: int, null_block: int):
+        n = num_seqs * rows
+        self.rows, self.null_block = rows, null_block
+        self.query = torch.zeros(n, HEADS, HEAD_DIM)
+        self.key, self.value = torch.zeros(n, KV_HEADS, HEAD_DIM), torch.zeros(n, KV_HEADS, HEAD_DIM)
+        self.buffers = GraphBuffers(
+            num_seqs=num_seqs, rows_per_seq=rows, input_ids=torch.zeros(n, dtype=torch.long),
+            positions=torch.zeros(n, dtype=torch.long), slot_mapping=torch.zeros(n, dtype=torch.long),
+            block_table=torch.zeros(num_seqs, max_blocks, dtype=torch.int32),
+            seq_lens=torch.zeros(num_seqs, dtype=torch.int32),
+            query_start=torch.arange(0, n + 1, rows, dtype=torch.int32))
+
+    def fill(self, tables: list[list[int]], contexts: list[int], q, k, v) -> list[int]:
+        """The step's sequences, then padding (the null block, a context of its
+        own new rows); returns the context lengths a replay is given."""
+        b, rows = self.buffers, self.rows
+        pad = b.num_seqs - len(tables)
+        contexts = contexts + [rows] * pad
+        tables = tables + [[self.null_block]] * pad
+        b.block_table.fill_(self.null_block)
+        slots = []
+        for i, (table, context) in enumerate(zip(tables, contexts)):
+            b.block_table[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
+            slots += [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(context - rows, context)]
+        b.slot_mapping.copy_(torch.tensor(slots))
+        b.seq_lens.copy_(torch.tensor(contexts))
+        for buffer, values in ((self.query, q), (self.key, k), (self.value, v)):
+            buffer.zero_()
+            buffer[: len(values)] = values
+        return contexts
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("window", [None, 40])
+def test_replayed_decode_attention_is_the_eager_kernels(npu_platform, rows, window):
+    """A graph captured for 4 sequences replays steps of 3 and of 2 (the rest
+    padding on the null block), contexts within one block and across three,
+    a window shorter than most; float32 so no layout mistake hides in
+    rounding. Each step's attention and K/V writes equal the eager kernel's."""
+    from services.worker.platforms.npu import NpuAttention
+
+    torch.manual_seed(rows + (window or 0))
+    kernel = NpuAttention(npu_platform._npu, HEADS, KV_HEADS, HEAD_DIM, BLOCK, CPU, scatter_cache_mode=True)
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, block_size=BLOCK,
+                       dtype=torch.float32)
+    eager_pool, graph_pool = KVCachePool(spec, 8, CPU, reserved_blocks=1), KVCachePool(spec, 8, CPU, reserved_blocks=1)
+    for cache, copy in ((eager_pool.key_cache, graph_pool.key_cache), (eager_pool.value_cache, graph_pool.value_cache)):
+        copy.copy_(cache.normal_())
+    step = _Step(num_seqs=4, rows=rows, max_blocks=3, null_block=8)
+    inputs = kernel.graph_inputs(step.buffers)
+    assert inputs.block_table is step.buffers.block_table
+    captured = attention.PagedStep(graph_pool, step.buffers.positions, step.buffers.slot_mapping, kernel, inputs, (),
+                                   None)
+
+    capture = npu_platform.graph_capture()
+    graph = capture.new_graph()
+    memory_before = capture.memory_in_use()
+    step.fill([[0]], [rows], *(torch.randn(rows, n, HEAD_DIM) for n in (HEADS, KV_HEADS, KV_HEADS)))
+    out = graph.capture(lambda: attention.paged_attention(step.query, step.key, step.value, 0, captured, SCALE, window))
+    assert capture.memory_in_use() > memory_before
+    graph_pool.key_cache.copy_(eager_pool.key_cache)  # undo the warm-ups' and capture's writes
+    graph_pool.value_cache.copy_(eager_pool.value_cache)
+
+    for tables, contexts in [([[3], [5, 1], [2, 7, 4]], [rows + 5, 130, 300]), ([[6, 0], [3]], [256, 100])]:
+        n = len(tables) * rows
+        q = torch.randn(n, HEADS, HEAD_DIM)
+        k, v = torch.randn(n, KV_HEADS, HEAD_DIM), torch.randn(n, KV_HEADS, HEAD_DIM)
+        eager_step = attention.build_paged_step(eager_pool, [rows] * len(tables), [c - rows for c in contexts], tables,
+                                                CPU, kernel)
+        expected = attention.paged_attention(q, k, v, 0, eager_step, SCALE, window)
+        graph.replay(step.fill(tables, contexts, q, k, v))
+        torch.testing.assert_close(out[:n], expected, atol=2e-6, rtol=2e-6)
+        scheduled = slice(0, 8 * BLOCK)  # the null block is the padding's
+        assert torch.equal(graph_pool.key_cache[:, scheduled], eager_pool.key_cache[:, scheduled])
+        assert torch.equal(graph_pool.value_cache[:, scheduled], eager_pool.value_cache[:, scheduled])

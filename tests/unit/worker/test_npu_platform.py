@@ -6,6 +6,7 @@ the bundled model gives the CPU platform's logits through them. What it does
 not: anything about the real kernels (never run here)."""
 from __future__ import annotations
 
+import importlib
 import sys
 import types
 from pathlib import Path
@@ -27,9 +28,12 @@ CPU = torch.device("cpu")
 @pytest.fixture(scope="module")
 def npu_platform():
     """The fake stays imported after (its ops stay registered with torch's
-    dispatcher), but torch.npu goes: npu_available() is False again."""
+    dispatcher), but torch.npu goes: npu_available() is False again. It is
+    set here too, where an earlier module imported the fake (the import sets
+    it once per process)."""
     sys.path.insert(0, str(FAKE_NPU))
     try:
+        torch.npu = importlib.import_module("torch_npu").npu
         from services.worker.platforms.npu import NpuPlatform
 
         yield NpuPlatform(CPU)  # the NPU code path, its tensors on the CPU
@@ -117,14 +121,15 @@ def _logits(runner: ModelRunner, prompts: list[list[int]], decodes: list[list[in
     lengths = [len(p) for p in prompts]
     for step in range(4 if decodes is None else len(decodes)):
         tokens = logits[-1].argmax(dim=-1).tolist() if decodes is None else decodes[step]
-        logits.append(runner.forward([tables.feed(i, [t], lengths[i], True) for i, t in enumerate(tokens)]))
+        # Cloned: a replayed graph writes the next step's logits into the same memory.
+        logits.append(runner.forward([tables.feed(i, [t], lengths[i], True) for i, t in enumerate(tokens)]).clone())
         lengths = [n + 1 for n in lengths]
     for i in range(len(prompts)):
         runner.release(i)
     return logits
 
 
-def test_bundled_model_gives_the_cpu_platforms_logits(npu_platform, model_dir):
+def test_bundled_model_gives_the_cpu_platforms_logits(npu_platform, model_dir, monkeypatch):
     """bfloat16 (the fused attention's dtype), 128-token blocks (its block size):
     prompts that cross a block boundary, decodes after them, every path fed the
     float32 path's greedy tokens. Two bfloat16 paths round differently (the
@@ -134,27 +139,39 @@ def test_bundled_model_gives_the_cpu_platforms_logits(npu_platform, model_dir):
     once more, adding the residual after each linear where the CPU fuses the
     add, and the CPU's 4-bit kernel for decode steps keeps float32 scales), and
     pick the same tokens wherever the choice is clear. A misread layout or
-    length moves whole rows by several units."""
-    prompts = [list(range(1000, 1130)), list(range(2000, 2007)), list(range(3000, 3060))]
+    length moves whole rows by several units. The NPU path is held to that
+    twice: eagerly, and with its decode steps replayed from the fake's NPU
+    graphs (three sequences padded to a graph of four)."""
+    from services.worker.platforms.npu_graphs import NpuGraph
 
-    def logits(platform, dtype: str, decodes: list[list[int]] | None) -> list[torch.Tensor]:
+    prompts = [list(range(1000, 1130)), list(range(2000, 2007)), list(range(3000, 3060))]
+    replays = []
+    replay = NpuGraph.replay
+    monkeypatch.setattr(NpuGraph, "replay", lambda graph, seq_lens: (replays.append(seq_lens), replay(graph, seq_lens)))
+
+    def logits(platform, dtype: str, decodes: list[list[int]] | None, graphs: bool = False) -> list[torch.Tensor]:
         runner = ModelRunner(model_dir, platform, dtype, block_size=128, kv_cache_bytes=32 * 2**20,
-                             max_batch_size=4)
+                             max_batch_size=4, graph_capture=platform.graph_capture() if graphs else None)
         if platform is npu_platform:
             assert runner.attention_kernel is not None  # the fused path, not the SDPA fallback
+        assert (runner.graphs is not None) == graphs
         return [step.float() for step in _logits(runner, prompts, decodes)]
 
     exact = logits(CpuPlatform(CPU), "float32", None)
     decodes = [step.argmax(dim=-1).tolist() for step in exact[:-1]]
     exact = torch.cat(exact)
-    on_npu = torch.cat(logits(npu_platform, "bfloat16", decodes))
     on_cpu = torch.cat(logits(CpuPlatform(CPU), "bfloat16", decodes))
-    npu_error, cpu_error = (on_npu - exact).abs().mean(), (on_cpu - exact).abs().mean()
-    assert npu_error <= 2 * cpu_error, (npu_error, cpu_error)
+    cpu_error = (on_cpu - exact).abs().mean()
     top2 = exact.topk(2, dim=-1).values
     clear = top2[:, 0] - top2[:, 1] > 0.5
     assert clear.sum() >= 3  # the prompts are arbitrary token runs: most choices are close
-    assert torch.equal(on_npu.argmax(dim=-1)[clear], exact.argmax(dim=-1)[clear])
+    for graphs in (False, True):
+        on_npu = torch.cat(logits(npu_platform, "bfloat16", decodes, graphs))
+        npu_error = (on_npu - exact).abs().mean()
+        assert npu_error <= 2 * cpu_error, (graphs, npu_error, cpu_error)
+        assert torch.equal(on_npu.argmax(dim=-1)[clear], exact.argmax(dim=-1)[clear]), graphs
+    # Every decode step replayed, with its contexts and the padding's one row.
+    assert replays == [[130 + i, 7 + i, 60 + i, 1] for i in range(1, len(decodes) + 1)]
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -1,111 +1,39 @@
-"""CUDA without vLLM: torch's own flash-attention varlen path over the paged pool.
+"""CUDA without vLLM: paged attention and the KV write as Triton kernels.
 
-torch.nn.attention.varlen.varlen_attn (torch 2.13) takes the query packed
-[T, heads, head_dim] with cumulative starts (cu_seq_q), and with block_table
-[S, max_pages] int32 and seqused_k [S] int32 reads K/V from a pool of pages
-(num_pages, page_size, kv_heads, head_dim) — the per-layer view of our pool.
-It calls aten._flash_attention_forward, whose varlen entry (flash_api.cpp,
-mha_varlen_fwd) takes paged K/V only with a page size divisible by 256, and
-float16 / bfloat16 only (Ampere or newer); causal masks are aligned to the
-bottom right, so a prefill chunk over a cached prefix is one call with the
-decodes. Other pools attend through attention.py's SDPA path over gathered
-K/V, which is also the oracle the plumbing here is tested against (on CPU,
-with a reference of varlen_attn's semantics: tests/unit/worker/test_cuda_attention.py).
-
-Where torch's varlen_attn lacks the paged arguments (torch 2.11 has no
-block_table, seqused_k or enable_gqa), every pool attends through SDPA.
+Attention reads K/V in place through the block tables, one launch for the
+whole packed step (prefill chunks, chunks over a cached prefix, decodes and
+drafted rows mixed), and reads its lengths from device tensors only, so a
+decode step can be captured in a CUDA graph (triton_attention.py).
+TritonAttention takes float16, bfloat16 and float32 pools with blocks of a
+multiple of 16 tokens and any head_dim; other pools, or a machine without
+Triton, attend through attention.py's SDPA path over gathered K/V, which is
+also the oracle the kernel is tested against (on CPU through Triton's
+interpreter: tests/unit/worker/test_triton_attention.py; on a GPU:
+tests/gpu/test_cuda.py).
 
 Mixture-of-experts layers run their experts on torch's grouped GEMM
 (F.grouped_mm / torch._grouped_mm, bfloat16, sm80+ / sm90) where it exists.
-DeepSeek's FP8 blocks run on the block-scaled FP8 GEMM (cuda_fp8.py). Like
-the rest of this file, never run on a GPU here.
+DeepSeek's FP8 blocks run on the block-scaled FP8 GEMM (cuda_fp8.py). None
+of this file has run on a GPU in this repository's tests: the Triton kernels
+run there through the interpreter, and are compiled for sm_80 and sm_90.
 """
 from __future__ import annotations
 
-import inspect
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.nn.functional as F
 
-from services.worker.attention import StepSequences, write_kv_by_slot
 from services.worker.platforms.base import Linear, Platform
 from services.worker.platforms.cuda_fp8 import fp8_block_linear
 from services.worker.platforms.moe_ops import MoeExperts, SortedExperts
 from services.worker.quantization import Fp8BlockWeight, QuantizedWeight
 
+if TYPE_CHECKING:
+    from services.worker.platforms.triton_attention import TritonAttention
+
 log = logging.getLogger(__name__)
-
-PAGE_SIZE_MULTIPLE = 256
-FLASH_DTYPES = (torch.float16, torch.bfloat16)
-# What VarlenAttention passes beyond a plain varlen_attn (torch 2.11's has none of the first three).
-PAGED_ARGUMENTS = ("block_table", "seqused_k", "enable_gqa", "window_size")
-
-
-@dataclass(frozen=True)
-class VarlenInputs:
-    cu_seq_q: torch.Tensor  # [S + 1] int32: each sequence's first packed row, then T
-    cu_seq_k: torch.Tensor  # [S + 1] int32: the same over the contexts
-    seqused_k: torch.Tensor  # [S] int32: each context, new tokens included
-    block_table: torch.Tensor  # [S, max_pages] int32
-    max_q: int
-    max_k: int
-
-
-def _cumulative(lengths: torch.Tensor) -> torch.Tensor:
-    return torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)]).to(torch.int32)
-
-
-class VarlenAttention:
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                 attend: Callable[..., torch.Tensor] | None = None):
-        """`attend`: varlen_attn's signature; torch's own unless given."""
-        if attend is None:
-            from torch.nn.attention.varlen import varlen_attn as attend
-        self._attend = attend
-        self._num_kv_heads, self._head_dim, self._block_size = num_kv_heads, head_dim, block_size
-        self._gqa = num_heads != num_kv_heads
-
-    def prepare(self, sequences: StepSequences, device: torch.device) -> VarlenInputs:
-        return VarlenInputs(
-            cu_seq_q=_cumulative(sequences.num_new).to(device),
-            cu_seq_k=_cumulative(sequences.context_lens).to(device),
-            seqused_k=sequences.context_lens.to(device=device, dtype=torch.int32),
-            block_table=sequences.block_tables.to(device=device, dtype=torch.int32),
-            max_q=int(sequences.num_new.max()),
-            max_k=int(sequences.context_lens.max()),
-        )
-
-    write_kv = staticmethod(write_kv_by_slot)
-
-    def __call__(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                 inputs: VarlenInputs, block_size: int, scale: float, sliding_window: int | None) -> torch.Tensor:
-        pages = (-1, self._block_size, self._num_kv_heads, self._head_dim)
-        # (-1, 0) is causal; (W - 1, 0) keeps the W keys up to each query's own.
-        window = (-1, 0) if sliding_window is None else (sliding_window - 1, 0)
-        return self._attend(
-            query, key_cache.view(pages), value_cache.view(pages), inputs.cu_seq_q, inputs.cu_seq_k,
-            inputs.max_q, inputs.max_k, scale=scale, window_size=window, enable_gqa=self._gqa,
-            seqused_k=inputs.seqused_k, block_table=inputs.block_table,
-        )
-
-
-def missing_paged_arguments() -> list[str]:
-    """What this torch's varlen_attn lacks of PAGED_ARGUMENTS (all of them where it has none)."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return list(PAGED_ARGUMENTS)
-    parameters = inspect.signature(varlen_attn).parameters
-    return [name for name in PAGED_ARGUMENTS if name not in parameters]
-
-
-def pages_fit(block_size: int, dtype: torch.dtype) -> bool:
-    """Whether flash attention's paged varlen path takes this pool (with this torch)."""
-    return block_size % PAGE_SIZE_MULTIPLE == 0 and dtype in FLASH_DTYPES and not missing_paged_arguments()
 
 
 class CudaPlatform(Platform):
@@ -131,17 +59,18 @@ class CudaPlatform(Platform):
         return super().linear(weight, bias)
 
     def paged_attention(self, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
-                        block_size: int) -> VarlenAttention | None:
-        missing = missing_paged_arguments()
-        if missing:
-            log.warning("torch %s's varlen_attn has no %s: attention runs through SDPA over gathered K/V",
-                        torch.__version__, ", ".join(missing))
+                        block_size: int) -> TritonAttention | None:
+        """TritonAttention where it takes the pool; None (SDPA over gathered K/V) otherwise."""
+        try:
+            from services.worker.platforms.triton_attention import TritonAttention, triton_fits
+        except ImportError as exc:
+            log.warning("no Triton (%s): attention runs through SDPA over gathered K/V", exc)
             return None
-        if not pages_fit(block_size, dtype):
-            log.warning("flash attention pages %s pools by multiples of %d tokens; %s with %d-token blocks "
-                        "attends through SDPA", FLASH_DTYPES, PAGE_SIZE_MULTIPLE, dtype, block_size)
+        if not triton_fits(dtype, block_size, head_dim):
+            log.warning("the Triton attention takes float16, bfloat16 and float32 pools in blocks of a multiple "
+                        "of 16 tokens; %s with %d-token blocks attends through SDPA", dtype, block_size)
             return None
-        return VarlenAttention(num_heads, num_kv_heads, head_dim, block_size)
+        return TritonAttention(num_heads, num_kv_heads, head_dim, block_size)
 
     def moe_experts(self, gate_up: torch.Tensor, down: torch.Tensor, first_expert: int = 0,
                     num_experts: int | None = None) -> MoeExperts:

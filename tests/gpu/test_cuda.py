@@ -1,19 +1,17 @@
-"""The CUDA platform on a real GPU: torch's flash varlen attention over the
-paged pool, and the model runner on device=cuda, each against the paths the
-CPU tests already trust. Every test here skips without CUDA (so `make test`
-on a machine without a GPU counts them as skipped); bench/gpu_check.sh runs
-them on a GPU machine and docs/design/testing.md says how.
+"""The CUDA platform on a real GPU: the Triton paged attention and KV write,
+and the model runner on device=cuda, each against the paths the CPU tests
+already trust. Every test here skips without CUDA (so `make test` on a
+machine without a GPU counts them as skipped); bench/gpu_check.sh runs them
+on a GPU machine and docs/design/testing.md says how.
 
-- Attention: one step that mixes decodes (at and past a page boundary), a
+- Attention: one step that mixes decodes (at and past a block boundary), a
   decode with five query rows (a verified draft), a fresh prompt and prefill
-  chunks over cached prefixes, K/V pages scattered over the pool, through
-  VarlenAttention and torch's own varlen_attn, held to attention.py's SDPA
-  path computed in float32 from the same rounded inputs. torch 2.11's
-  varlen_attn lacks the paged arguments (2.13's has them): the paged tests
-  then fail (they say which arguments are missing) rather than skip. The masks the
-  platform relies on (causal aligned to the bottom right, the window as
-  (W - 1, 0), K/V heads shared by query heads) are also checked on
-  contiguous K/V, which every torch with varlen_attn takes.
+  chunks over cached prefixes, K/V blocks scattered over the pool, through
+  TritonAttention (compiled: on CPU it runs interpreted), held to
+  attention.py's SDPA path computed in float32 from the same rounded inputs,
+  in bfloat16, float16 and float32. The same kernels captured in a CUDA graph
+  and replayed over new lengths and tables give the eager outputs, and an
+  eager step makes no host sync.
 - The model runner (tests/gpu/models.py says which model): greedy tokens and
   logits on the device against the CPU float32 runner, in float32 (equal
   tokens) and bfloat16 (a bounded logit error, and tokens equal up to the
@@ -28,7 +26,6 @@ as JSON lines, and appended to the file STORMSERVE_GPU_FIGURES names.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import json
 import os
 from dataclasses import dataclass
@@ -37,10 +34,12 @@ import pytest
 import torch
 
 from services.worker import attention
+from services.worker.graphs import GraphBuffers
 from services.worker.kv_cache import KVCachePool, KVCacheSpec
 from services.worker.model_runner import ModelRunner
 from services.worker.platforms import select_platform, torch_dtype
-from services.worker.platforms.cuda import CudaPlatform, VarlenAttention, missing_paged_arguments, pages_fit
+from services.worker.platforms.cuda import CudaPlatform
+from services.worker.platforms.triton_attention import TritonAttention, triton_fits
 from services.worker.sequence import SamplingParams
 from tests.gpu.models import check_model
 from tests.unit.worker.block_tables import BlockTables
@@ -65,43 +64,29 @@ def report(request, **figures) -> None:
             out.write(line + "\n")
 
 
-def varlen_attn():
-    from torch.nn.attention.varlen import varlen_attn as function
-
-    return function
-
-
-def require_paged_varlen() -> None:
-    """Fail (not skip) where this torch's varlen_attn cannot read the paged pool."""
-    missing = missing_paged_arguments()
-    if missing:
-        pytest.fail(
-            f"torch {torch.__version__}: torch.nn.attention.varlen.varlen_attn{inspect.signature(varlen_attn())} "
-            f"has no {', '.join(missing)}. The CUDA platform's paged flash attention (VarlenAttention, written "
-            "against torch 2.13) cannot run on it: the platform attends through SDPA instead", pytrace=False)
-
-
 # ---------------------------------------------------------------- attention
 
 # Sequence i feeds NEW[i] tokens after COMPUTED[i] cached ones: decodes of a
-# fresh sequence, at a page's last slot and past a page boundary; a decode
-# with four drafted tokens over 300 cached; a fresh prompt; prefill chunks over
-# a cached prefix, one crossing pages.
+# fresh sequence, at a block's last slot and past a block boundary (of 16- and
+# 256-token blocks); a decode with four drafted tokens over 300 cached; a
+# fresh prompt; prefill chunks over a cached prefix, one crossing blocks.
 NEW = [1, 1, 1, 5, 21, 19, 100]
 COMPUTED = [0, 255, 260, 300, 0, 30, 300]
 # |output - float32 oracle| allowed, atol + rtol * |oracle|: the inputs are
 # rounded to the dtype first, so what is left is the kernel's own rounding, of
 # P (at most half an ulp of each weight, times |V| <= 4.5 here) and of the
 # output (half an ulp of it): up to 0.009 + 0.004 |out| in bfloat16. A
-# misplaced key or mask moves outputs by 0.1 and more.
-HALF_TOLERANCE = {torch.bfloat16: (1e-2, 1e-2), torch.float16: (1.5e-3, 1.5e-3)}
-HALF_DTYPES = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+# misplaced key or mask moves outputs by 0.1 and more. float32 (full-precision
+# products, not TF32): the order of the sums alone.
+TOLERANCE = {torch.bfloat16: (1e-2, 1e-2), torch.float16: (1.5e-3, 1.5e-3), torch.float32: (2e-5, 2e-5)}
+DTYPES = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32],
+                                 ids=["bfloat16", "float16", "float32"])
 WINDOWS = pytest.mark.parametrize("window", [None, 5, 300], ids=["causal", "window5", "window300"])
 
 
 def tolerance_used(out: torch.Tensor, oracle: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Per element, |out - oracle| as a share of what HALF_TOLERANCE allows (<= 1 passes)."""
-    atol, rtol = HALF_TOLERANCE[dtype]
+    """Per element, |out - oracle| as a share of what TOLERANCE allows (<= 1 passes)."""
+    atol, rtol = TOLERANCE[dtype]
     return (out - oracle).abs() / (atol + rtol * oracle.abs())
 
 
@@ -149,69 +134,95 @@ def run_paged(case: AttentionCase, device: torch.device, dtype: torch.dtype, ker
 
 
 @needs_cuda
-def test_varlen_attn_reads_a_paged_pool():
-    """The one-line verdict: does this torch's varlen_attn take what VarlenAttention passes?"""
-    require_paged_varlen()
-
-
-@needs_cuda
-@HALF_DTYPES
-@pytest.mark.parametrize("block_size", [256, 512])
+@DTYPES
+@pytest.mark.parametrize("block_size", [16, 48, 256])
 @WINDOWS
-def test_paged_flash_attention_matches_sdpa(request, dtype, block_size, window):
-    require_paged_varlen()
+def test_triton_attention_matches_sdpa(request, dtype, block_size, window):
     heads, kv_heads, head_dim = 9, 3, 64  # the bundled model's
     kernel = CudaPlatform(CUDA).paged_attention(dtype, heads, kv_heads, head_dim, block_size)
-    assert isinstance(kernel, VarlenAttention)
+    assert isinstance(kernel, TritonAttention)
     case = attention_case(heads, kv_heads, head_dim, block_size, dtype)
     oracle, oracle_pool = run_paged(case, CPU, torch.float32, None, window)
     sdpa, sdpa_pool = run_paged(case, CUDA, dtype, None, window)
-    flash, flash_pool = run_paged(case, CUDA, dtype, kernel, window)
+    tested, tested_pool = run_paged(case, CUDA, dtype, kernel, window)
     # The step's K/V went where the SDPA path puts them, and nowhere else.
-    assert torch.equal(flash_pool.key_cache, sdpa_pool.key_cache)
-    assert torch.equal(flash_pool.value_cache, sdpa_pool.value_cache)
-    assert torch.equal(flash_pool.key_cache.float().cpu(), oracle_pool.key_cache)
-    used, sdpa_used = tolerance_used(flash, oracle, dtype), tolerance_used(sdpa, oracle, dtype)
-    report(request, flash_max_error=(flash - oracle).abs().max().item(),
-           sdpa_max_error=(sdpa - oracle).abs().max().item(), flash_tolerance_used=used.max().item(),
+    assert torch.equal(tested_pool.key_cache, sdpa_pool.key_cache)
+    assert torch.equal(tested_pool.value_cache, sdpa_pool.value_cache)
+    assert torch.equal(tested_pool.key_cache.float().cpu(), oracle_pool.key_cache)
+    used, sdpa_used = tolerance_used(tested, oracle, dtype), tolerance_used(sdpa, oracle, dtype)
+    report(request, triton_max_error=(tested - oracle).abs().max().item(),
+           sdpa_max_error=(sdpa - oracle).abs().max().item(), triton_tolerance_used=used.max().item(),
            sdpa_tolerance_used=sdpa_used.max().item())
     rows = torch.repeat_interleave(torch.arange(len(NEW)), torch.tensor(NEW))
     worst = rows[used.amax(dim=(1, 2)).argmax()].item()
     assert used.max().item() <= 1, (
-        f"flash attention off the float32 oracle by {used.max().item():.2f} times the tolerance (SDPA in {dtype}: "
+        f"Triton attention off the float32 oracle by {used.max().item():.2f} times the tolerance (SDPA in {dtype}: "
         f"{sdpa_used.max().item():.2f} times); worst in sequence {worst}: {NEW[worst]} new after "
         f"{COMPUTED[worst]} cached")
 
 
 @needs_cuda
-@HALF_DTYPES
-@WINDOWS
-def test_flash_varlen_masks_as_the_platform_assumes(request, dtype, window):
-    """varlen_attn over contiguous K/V (each sequence's whole context back to back),
-    with the arguments every torch that has varlen_attn takes: a query chunk is
-    causal against the bottom right of its context, (W - 1, 0) keeps W keys,
-    and 9 query heads share 3 K/V heads."""
-    heads, kv_heads, head_dim = 9, 3, 64
-    case = attention_case(heads, kv_heads, head_dim, 16, dtype)
-    oracle, oracle_pool = run_paged(case, CPU, torch.float32, None, window)  # the pool now holds the new K/V
-    contexts = [n + c for n, c in zip(NEW, COMPUTED)]
-    block_size = case.pool.spec.block_size
-    slots = torch.cat([torch.tensor(table)[torch.arange(n) // block_size] * block_size + torch.arange(n) % block_size
-                       for table, n in zip(case.tables, contexts)])
-    k, v = (cache[1, slots].to(CUDA, dtype) for cache in (oracle_pool.key_cache, oracle_pool.value_cache))
+@pytest.mark.parametrize("rows_per_seq", [1, 3], ids=["decode", "drafted"])
+def test_triton_attention_replays_from_a_cuda_graph(rows_per_seq):
+    """The KV write and attention of a decode step captured once over
+    persistent buffers (graph_inputs), replayed over two other steps' lengths
+    and tables: each replay gives that step's eager outputs. The eager step
+    also runs with CUDA's sync check set to error."""
+    heads, kv_heads, head_dim, block_size, num_seqs, max_blocks = 8, 2, 64, 16, 5, 8
+    dtype = torch.bfloat16
+    kernel = TritonAttention(heads, kv_heads, head_dim, block_size)
+    rows = num_seqs * rows_per_seq
+    generator = torch.Generator().manual_seed(rows_per_seq)
+    num_slots = (num_seqs * max_blocks + 1) * block_size
 
-    def cumulative(lengths):
-        return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=CUDA)
+    def draw(*shape):
+        return torch.randn(*shape, generator=generator).to(CUDA, dtype)
 
-    kwargs = {"scale": head_dim ** -0.5, "window_size": (-1, 0) if window is None else (window - 1, 0)}
-    if "enable_gqa" in inspect.signature(varlen_attn()).parameters:
-        kwargs["enable_gqa"] = True
-    out = varlen_attn()(case.q.to(CUDA, dtype), k, v, cumulative(NEW), cumulative(contexts), max(NEW),
-                        max(contexts), **kwargs)
-    out = out.float().cpu()
-    used = tolerance_used(out, oracle, dtype).max().item()
-    report(request, max_error=(out - oracle).abs().max().item(), tolerance_used=used)
-    assert used <= 1, f"varlen_attn off the float32 oracle by {used:.2f} times the tolerance"
+    caches = draw(2, num_slots, kv_heads, head_dim)
+    buffers = GraphBuffers(num_seqs, rows_per_seq, torch.zeros(rows, dtype=torch.long, device=CUDA),
+                           torch.zeros(rows, dtype=torch.long, device=CUDA),
+                           torch.zeros(rows, dtype=torch.long, device=CUDA),
+                           torch.zeros(num_seqs, max_blocks, dtype=torch.int32, device=CUDA),
+                           torch.zeros(num_seqs, dtype=torch.int32, device=CUDA),
+                           torch.arange(num_seqs + 1, dtype=torch.int32, device=CUDA) * rows_per_seq)
+    q, k, v = draw(rows, heads, head_dim), draw(rows, kv_heads, head_dim), draw(rows, kv_heads, head_dim)
+
+    def fill(step: int) -> None:
+        """A step's lengths, tables and slots into the buffers (as graphs.StepGraphs does)."""
+        lengths = torch.randint(rows_per_seq, max_blocks * block_size - 8, (num_seqs,), generator=generator)
+        tables = torch.randperm(num_seqs * max_blocks, generator=generator).view(num_seqs, max_blocks)
+        positions = (lengths[:, None] - rows_per_seq + torch.arange(rows_per_seq)).flatten()
+        seq_of_row = torch.arange(num_seqs).repeat_interleave(rows_per_seq)
+        slots = tables[seq_of_row, positions // block_size] * block_size + positions % block_size
+        buffers.seq_lens.copy_(lengths)
+        buffers.block_table.copy_(tables)
+        buffers.slot_mapping.copy_(slots)
+
+    inputs = kernel.graph_inputs(buffers)
+
+    def run() -> torch.Tensor:
+        kernel.write_kv(caches[0], caches[1], k, v, buffers.slot_mapping)
+        return kernel(q, caches[0], caches[1], inputs, block_size, head_dim ** -0.5, None)
+
+    fill(0)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        run()  # compiles, and would raise on a host sync
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    for step in (1, 2):
+        fill(step)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, run()), f"replay {step} differs from the eager step"
 
 
 # ---------------------------------------------------------------- the model runner
@@ -329,13 +340,10 @@ def device_runner(model):
         if (dtype, block_size) not in runners:
             runner = ModelRunner(model[0], select_platform(MODEL_DEVICE), dtype, block_size, KV_CACHE_BYTES, 8)
             if MODEL_DEVICE == "cuda":  # the attention path the platform picked
-                assert isinstance(runner.attention_kernel, VarlenAttention) == pages_fit(block_size,
-                                                                                         torch_dtype(dtype))
+                assert isinstance(runner.attention_kernel, TritonAttention) == triton_fits(
+                    torch_dtype(dtype), block_size, runner.kv_pool.spec.head_dim)
             runners[dtype, block_size] = runner
-        runner = runners[dtype, block_size]
-        if isinstance(runner.attention_kernel, VarlenAttention):
-            require_paged_varlen()
-        return runner
+        return runners[dtype, block_size]
 
     yield get
     runners.clear()
@@ -350,8 +358,8 @@ SETTINGS = [("float32", 16), ("float32", 256), ("bfloat16", 16), ("bfloat16", 25
 @pytest.mark.parametrize(("dtype", "block_size"), SETTINGS, ids=[f"{d}-{b}" for d, b in SETTINGS])
 def test_greedy_decoding_matches_the_cpu_float32_runner(request, model, reference, device_runner, dtype,
                                                         block_size):
-    """Block size 16 attends through the SDPA path on the device, 256 in
-    bfloat16 through flash attention over the pages (float32: SDPA again)."""
+    """Every setting attends through the Triton kernel (blocks of 16 and 256
+    tokens, float32 and bfloat16)."""
     runner = device_runner(dtype, block_size)
     tokens = greedy(runner, PROMPTS, NUM_TOKENS)
     logits = forced_logits(runner, PROMPTS, reference.tokens)

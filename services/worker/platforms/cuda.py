@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from services.worker.platforms.base import Linear, Platform
 from services.worker.platforms.cuda_fp8 import fp8_block_linear
+from services.worker.platforms.cuda_graphs import CudaGraphCapture
 from services.worker.platforms.moe_ops import MoeExperts, SortedExperts
 from services.worker.quantization import Fp8BlockWeight, QuantizedWeight
 
@@ -45,6 +46,9 @@ class CudaPlatform(Platform):
 
     def available_memory(self) -> int:
         return torch.cuda.mem_get_info(self.device)[0]
+
+    def graph_capture(self) -> CudaGraphCapture:
+        return CudaGraphCapture(self.device)
 
     def set_device(self, local_rank: int) -> None:
         torch.cuda.set_device(local_rank)

@@ -29,6 +29,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
+import numpy as np
 import torch
 
 log = logging.getLogger(__name__)
@@ -146,11 +147,22 @@ class StepGraphs:
         self.null_block = pool.num_blocks
         self._device = device
         rows, seqs = self.max_rows, max_batch_size
-        self._input_ids = torch.zeros(rows, dtype=torch.long, device=device)
-        self._positions = torch.zeros(rows, dtype=torch.long, device=device)
-        self._slot_mapping = torch.zeros(rows, dtype=torch.long, device=device)
-        self._block_table = torch.zeros(seqs, max_blocks_per_seq, dtype=torch.int32, device=device)
+        # The device buffers, and their host mirrors the steps are written into
+        # (numpy views: a few microseconds a step where torch ops would take a
+        # millisecond), pinned where the device copies from pinned memory.
+        # Rows: token ids, positions, slots. A block table row's entries past
+        # its sequence's blocks are left from earlier steps: nothing reads them.
+        self._rows = torch.zeros(3, rows, dtype=torch.long, device=device)
+        self._block_table = torch.full((seqs, max_blocks_per_seq), self.null_block, dtype=torch.int32,
+                                       device=device)
         self._seq_lens = torch.zeros(seqs, dtype=torch.int32, device=device)
+        pin = device.type == "cuda"
+        self._host_rows_t = torch.zeros(3, rows, dtype=torch.long, pin_memory=pin)
+        self._host_tables_t = torch.full((seqs, max_blocks_per_seq), self.null_block, dtype=torch.int32,
+                                         pin_memory=pin)
+        self._host_lens_t = torch.zeros(seqs, dtype=torch.int32, pin_memory=pin)
+        self._host_rows, self._host_tables = self._host_rows_t.numpy(), self._host_tables_t.numpy()
+        self._host_lens = self._host_lens_t.numpy()
         self._query_starts: dict[int, torch.Tensor] = {}  # per rows_per_seq: constant, arange * rows
         # (rows_per_seq, num_seqs) -> the graph and the logits it writes
         self._graphs: dict[tuple[int, int], tuple[DeviceGraph, torch.Tensor]] = {}
@@ -213,8 +225,8 @@ class StepGraphs:
         if query_start is None:
             query_start = torch.arange(self.max_rows + 1, dtype=torch.int32, device=self._device) * rows_per_seq
             self._query_starts[rows_per_seq] = query_start
-        return GraphBuffers(num_seqs, rows_per_seq, self._input_ids[:rows], self._positions[:rows],
-                            self._slot_mapping[:rows], self._block_table[:num_seqs], self._seq_lens[:num_seqs],
+        return GraphBuffers(num_seqs, rows_per_seq, self._rows[0, :rows], self._rows[1, :rows],
+                            self._rows[2, :rows], self._block_table[:num_seqs], self._seq_lens[:num_seqs],
                             query_start[: num_seqs + 1])
 
     def _capture_one(self, rows_per_seq: int, num_seqs: int) -> tuple[DeviceGraph, torch.Tensor]:
@@ -230,30 +242,29 @@ class StepGraphs:
 
     def _fill(self, token_ids: list[list[int]], num_computed: list[int], block_tables: list[list[int]],
               size: int, rows_per_seq: int | None = None) -> list[int]:
-        """Copy a step into the buffers, padded to `size` sequences; returns the
-        context lengths (padding included) on the host."""
+        """Copy a step into the buffers, padded to `size` sequences of the null
+        block (positions 0 to q - 1 each); returns the context lengths, padding
+        included, on the host."""
         q = rows_per_seq or len(token_ids[0])
-        num_seqs, block_size = len(token_ids), self._pool.spec.block_size
-        offsets = torch.arange(q)
-        # Padding: positions 0..q-1 of a sequence that lives in the null block.
-        computed = torch.zeros(size, dtype=torch.long)
-        tables = torch.full((size, self.max_blocks), self.null_block, dtype=torch.long)
-        ids = torch.zeros(size * q, dtype=torch.long)
+        num_seqs, block_size, null = len(token_ids), self._pool.spec.block_size, self.null_block
+        real, rows = num_seqs * q, size * q
+        ids, positions, slots = self._host_rows[:, :rows]
+        tables, lens = self._host_tables, self._host_lens
         if num_seqs:
-            computed[:num_seqs] = torch.tensor(num_computed)
             for row, table in enumerate(block_tables):
-                tables[row, : len(table)] = torch.tensor(table)
-            ids[: num_seqs * q] = torch.tensor([t for ts in token_ids for t in ts])
-        positions = (computed[:, None] + offsets).flatten()
-        seq_of_row = torch.arange(size).repeat_interleave(q)
-        blocks = tables[seq_of_row, positions // block_size]
-        slots = blocks * block_size + positions % block_size
-        seq_lens = computed + q
-        rows = size * q
-        self._input_ids[:rows].copy_(ids, non_blocking=True)
-        self._positions[:rows].copy_(positions, non_blocking=True)
-        self._slot_mapping[:rows].copy_(slots, non_blocking=True)
-        self._block_table[:size].copy_(tables, non_blocking=True)
-        self._seq_lens[:size].copy_(seq_lens, non_blocking=True)
-        return seq_lens.tolist()
-
+                tables[row, : len(table)] = table
+            ids[:real] = [t for ts in token_ids for t in ts]
+            computed = np.asarray(num_computed, dtype=np.int64)
+            positions[:real] = (computed[:, None] + np.arange(q)).ravel()
+            blocks = tables[np.arange(num_seqs).repeat(q), positions[:real] // block_size]
+            slots[:real] = blocks * block_size + positions[:real] % block_size
+            lens[:num_seqs] = computed + q
+        tables[num_seqs:size, : -(-q // block_size)] = null
+        ids[real:] = 0
+        positions[real:] = np.tile(np.arange(q), size - num_seqs)
+        slots[real:] = null * block_size + positions[real:]
+        lens[num_seqs:size] = q
+        self._rows.copy_(self._host_rows_t, non_blocking=True)  # whole: contiguous, and a few kB
+        self._block_table[:size].copy_(self._host_tables_t[:size], non_blocking=True)
+        self._seq_lens[:size].copy_(self._host_lens_t[:size], non_blocking=True)
+        return lens[:size].tolist()

@@ -9,6 +9,14 @@ and a peer: point --base-url at either.
 
     python -m bench.serve --base-url http://127.0.0.1:8000 --model SmolLM2-135M-Instruct \
         --concurrency 1,8 --num-requests 16 --input-len 200 --output-len 128
+
+A level may carry its own number of requests: `--concurrency 1:8,32:32`.
+`--start-chain` measures a chain of our own instead of --base-url: started on
+free ports as `make run` starts it (services/common/supervisor.py), with the
+environment's STORMSERVE_* settings and each `--chain-env NAME=VALUE` over
+them (STORMSERVE_DEVICE=cuda, STORMSERVE_MODEL_PATH=..., say), measured once
+/health answers, then stopped; its services' logs go to `--chain-log-dir`
+and its scheduler's /metrics is read as with --metrics-url.
 """
 from __future__ import annotations
 
@@ -16,18 +24,24 @@ import argparse
 import asyncio
 import json
 import random
+import signal
 import ssl
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 import uvloop
 
 from bench.grounded import make_grounded_prompts
+
+if TYPE_CHECKING:  # the supervisor is imported only where a chain is started
+    from services.common.supervisor import Chain
 
 WORDS = ("time person year way day thing man world life hand part child eye woman place work week case "
          "point government company number group problem fact water light river city story music house").split()
@@ -296,11 +310,33 @@ def plot(runs: dict[str, list[dict]], path: Path) -> None:
     plt.close(fig)
 
 
+def start_chain(settings: list[str], log_dir: str, timeout_s: float) -> Chain:
+    """A chain on free ports with `settings` (NAME=VALUE) over the environment's, healthy."""
+    from services.common.supervisor import Chain, free_port
+
+    env = dict(setting.split("=", 1) for setting in settings)
+    logs = Path(log_dir or tempfile.mkdtemp(prefix="bench-serve-chain-"))
+    chain = Chain(edge_port=free_port(), tokenizer_port=free_port(), scheduler_port=free_port(),
+                  worker_ports=[free_port()], env=env, log_dir=logs)
+    print(f"starting a chain ({' '.join(settings) or 'settings from the environment'}); logs in {logs}",
+          file=sys.stderr, flush=True)
+    started = time.monotonic()
+    chain.start()
+    try:
+        chain.wait_ready(timeout_s=timeout_s)
+    except BaseException:
+        chain.stop()
+        raise
+    print(f"chain up in {time.monotonic() - started:.1f} s at {chain.url}", file=sys.stderr, flush=True)
+    return chain
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base-url", default="http://127.0.0.1:8000")
     parser.add_argument("--model", default="SmolLM2-135M-Instruct")
-    parser.add_argument("--concurrency", default="1,8", help="comma list of closed-loop levels")
+    parser.add_argument("--concurrency", default="1,8",
+                        help="comma list of closed-loop levels, each `streams` or `streams:requests`")
     parser.add_argument("--rates", default="", help="comma list of open-loop request rates (req/s)")
     parser.add_argument("--num-requests", type=int, default=16, help="requests per level")
     parser.add_argument("--input-len", type=int, default=200, help="approximate prompt tokens")
@@ -318,14 +354,34 @@ def main() -> None:
     parser.add_argument("--label", default="server", help="name of this server in tables and plots")
     parser.add_argument("--compare", nargs="*", default=[],
                         help="earlier result JSON files to put in the same plot")
+    parser.add_argument("--start-chain", action="store_true",
+                        help="start a chain of our own on free ports and measure it instead of --base-url")
+    parser.add_argument("--chain-env", action="append", default=[], metavar="NAME=VALUE",
+                        help="a setting of the started chain over the environment's (STORMSERVE_DEVICE=cuda)")
+    parser.add_argument("--chain-log-dir", default="", help="the started chain's logs; empty = a temporary directory")
+    parser.add_argument("--chain-timeout", type=float, default=600, help="seconds the started chain may take to start")
     args = parser.parse_args()
-    plan = [(int(c), None) for c in filter(None, args.concurrency.split(","))]
-    plan += [(None, float(r)) for r in filter(None, args.rates.split(","))]
+    plan = []
+    for level in filter(None, args.concurrency.split(",")):
+        streams, _, requests = level.partition(":")
+        plan.append((int(streams), None, int(requests or args.num_requests)))
+    plan += [(None, float(r), args.num_requests) for r in filter(None, args.rates.split(","))]
+    chain = None
+    if args.start_chain:
+        # SIGTERM (a `timeout` around us) stops the chain as Ctrl-C does, rather than leaving it to its own.
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+        chain = start_chain(args.chain_env, args.chain_log_dir, args.chain_timeout)
+        args.base_url = chain.url
+        args.metrics_url = args.metrics_url or chain.metrics_urls["scheduler"]
     levels = []
-    for index, (concurrency, rate) in enumerate(plan):
-        warm_up, prompts = level_prompts(args.num_requests, args.input_len, args.seed, index, args.workload)
-        # On uvloop: at 32 streams the client used about a third less CPU than on asyncio's loop.
-        levels.append(uvloop.run(run_level(args, warm_up, prompts, concurrency, rate)))
+    try:
+        for index, (concurrency, rate, num_requests) in enumerate(plan):
+            warm_up, prompts = level_prompts(num_requests, args.input_len, args.seed, index, args.workload)
+            # On uvloop: at 32 streams the client used about a third less CPU than on asyncio's loop.
+            levels.append(uvloop.run(run_level(args, warm_up, prompts, concurrency, rate)))
+    finally:
+        if chain is not None:
+            chain.stop()
     print_table(levels)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

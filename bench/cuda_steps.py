@@ -1,18 +1,25 @@
 """Time the worker's model steps alone on a device (no scheduler, no gRPC):
 a prefill, decode steps of 1, 8 and 32 sequences, and drafted steps (each
-sequence feeding its last token and 4 drafted ones), once per KV block size:
-16 (attention through the SDPA path) and 256 (flash attention over the pages
-where the platform takes them: CUDA, float16/bfloat16).
+sequence feeding its last token and 4 drafted ones), once per KV block size
+(16 and 256; each line names the attention kernel that ran).
 
     PYTHONPATH=gen:. python -m bench.cuda_steps --device cuda --dtype bfloat16
 
-bench/gpu_check.sh runs it on a GPU machine. The model is the one the GPU
-tests run (tests/gpu/models.py: the bundled SmolLM2-135M where installed,
-else a stand-in of its shape; timings depend on the shapes alone). Each
-figure is the median and p90 of `--reps` steps after `--warm-up` untimed
-ones, each step timed from a synchronized device to the step's return (the
-runner synchronizes before it returns). Prints one JSON object per block size;
-a block size whose steps fail prints the error instead.
+bench/gpu_check.sh runs it on a GPU machine, once with STORMSERVE_GRAPHS=auto
+and once with =off. The model is the one the GPU tests run
+(tests/gpu/models.py: the bundled SmolLM2-135M where installed, else a
+stand-in of its shape; timings depend on the shapes alone). The runner is
+built as the worker builds it (its config from these flags and the
+STORMSERVE_* environment, then follower.build_runner), so a worker setting
+given in the environment applies here too: STORMSERVE_GRAPHS (auto: decode
+steps replay graphs captured at start, where the platform and the attention
+kernel allow; off: every step eager). Each line gives that setting and the
+batch sizes whose graphs were captured (null: none, the log says why).
+
+Each figure is the median and p90 of `--reps` steps after `--warm-up`
+untimed ones, each step timed from a synchronized device to the step's
+return (the runner synchronizes before it returns). Prints one JSON object
+per block size; a block size whose steps fail prints the error instead.
 """
 from __future__ import annotations
 
@@ -24,6 +31,10 @@ import traceback
 import torch
 
 from bench.step_time import step_figures
+from services.common.config import load_config
+from services.common.log import setup_logging
+from services.worker.config import WorkerConfig
+from services.worker.follower import build_runner
 from services.worker.model_runner import ModelRunner
 from services.worker.platforms import select_platform
 from services.worker.sequence import SamplingParams, SequenceInput
@@ -105,6 +116,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--warm-up", type=int, default=3)
     args = parser.parse_args()
+    setup_logging("cuda_steps")  # the runner's own lines: graphs captured (or why not), load and warm-up times
 
     platform = select_platform(args.device)
     model_dir, model = check_model()
@@ -119,8 +131,14 @@ def main() -> None:
         num_seqs = 1 + max(batches + draft_batches)
         line: dict = {**header, "block_size": block_size}
         try:
-            runner = ModelRunner(model_dir, platform, args.dtype, block_size, 0, num_seqs,
-                                 max_seq_len=per_seq_blocks * block_size)
+            config = load_config(WorkerConfig, argv=[
+                "--model-path", str(model_dir), "--device", args.device, "--dtype", args.dtype,
+                "--cache-block-size", str(block_size), "--kv-cache-mib", "0", "--max-batch-size", str(num_seqs),
+                "--max-seq-len", str(per_seq_blocks * block_size)])
+            runner = build_runner(config, platform, None)
+            # The batch sizes whose decode steps replay a graph; None: every step eager (the log says why).
+            line["graphs"] = {"setting": config.graphs,
+                              "replayed_batch_sizes": runner.graphs.sizes if runner.graphs is not None else None}
             line["attention"] = type(runner.attention_kernel).__name__ if runner.attention_kernel else "SDPA"
             steps = Steps(runner, args, per_seq_blocks)
             runner.warm_up()

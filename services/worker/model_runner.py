@@ -29,7 +29,7 @@ from services.worker import attention, quant_formats, quantization, sampler, spe
 from services.worker.admission import StepAdmission
 from services.worker.platforms import Platform, torch_dtype
 from services.worker.checkpoint import Checkpoint
-from services.worker.decoder import SUPPORTED_MODEL_TYPES, LeanDecoder, MoeMlp
+from services.worker.decoder import SUPPORTED_MODEL_TYPES, LeanDecoder
 from services.worker.graphs import GraphCapture, StepGraphs
 from services.worker.guided import GrammarError, GuidedDecoding
 from services.worker.kv_cache import KVCachePool, KVCacheSpec
@@ -226,8 +226,8 @@ class ModelRunner(StepAdmission):
             return "off: the model runs through the HF modules"
         if self.tensor_parallel is not None or mtp:
             return "off: not under tensor parallelism or MTP drafting"
-        if spec.latent is not None or any(isinstance(layer.mlp, MoeMlp) for layer in self.decoder.layers):
-            return "off: MLA and mixture-of-experts layers are not captured"
+        if spec.latent is not None:
+            return "off: MLA layers are not captured"
         if self.attention_kernel is None:
             return "off: attention runs through SDPA, whose shapes change with the contexts"
         return ""

@@ -101,7 +101,9 @@ def sort_by_expert(ids: torch.Tensor, first_expert: int, num_local: int, sharded
         is_local = (flat >= 0) & (flat < num_local)
         flat = torch.where(is_local, flat, num_local)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_local + 1)[:num_local]
+    # Not bincount: on CUDA it reads the largest id back to size its output (a
+    # host sync, which a captured graph cannot hold).
+    counts = flat.new_zeros(num_local + 1).scatter_add_(0, flat, torch.ones_like(flat))[:num_local]
     if sharded:
         local = is_local.index_select(0, order)
     return SortedRows(token=order // ids.shape[1], order=order, counts=counts, local=local)

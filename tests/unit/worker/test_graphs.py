@@ -226,3 +226,26 @@ def test_a_failed_capture_leaves_the_worker_serving_eagerly(model_dir, runner):
         assert r.graphs is None
         prompts = {1: _prompt(1, 5)}
         assert _decode(r, prompts, 2)[0] == _decode(runner, prompts, 2)[0]
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_mixture_of_experts_decodes_replay_with_transformers_tokens(family, tmp_path):
+    """The experts' routing sorts and counts rows on the device without a host
+    read, so MoE layers are captured too: greedy tokens equal generate()'s."""
+    from tests.moe_models import reference_model
+
+    reference = reference_model(family, 256)
+    reference.save_pretrained(tmp_path)
+    capture = CountingCapture()
+    r = ModelRunner(tmp_path, select_platform("cpu"), "float32", block_size=4, kv_cache_bytes=2**20,
+                    max_batch_size=4, max_seq_len=MAX_SEQ_LEN, graph_capture=capture)
+    assert r.graphs is not None
+    prompts = {1: _prompt(1, 9), 2: _prompt(2, 5)}
+    prompts = {s: [t % 256 for t in p] for s, p in prompts.items()}
+    tokens, _ = _decode(r, prompts, steps=8)
+    assert capture.replays == 8
+    for seq_id, prompt in prompts.items():
+        with torch.inference_mode():
+            want = reference.generate(torch.tensor([prompt]), max_new_tokens=9, do_sample=False,
+                                      min_new_tokens=9)[0, len(prompt):].tolist()
+        assert tokens[seq_id] == want

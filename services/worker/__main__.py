@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 
 from services.common.config import load_config
 from services.common.grpc_server import GrpcService
@@ -17,17 +18,23 @@ from services.worker.follower import build_runner
 from services.worker.model_runner import ModelRunner
 from services.worker.parallel import TensorParallel
 from services.worker.platforms import select_platform
+from services.worker.pods import PodGroup
 from services.worker.server import WorkerServicer
 from stormserve.worker.v1 import worker_pb2, worker_pb2_grpc
 
 
 def load_runner(config: WorkerConfig) -> ModelRunner:
     """Blocking: pick the device, start the other ranks of a tensor-parallel
-    group, resolve and load the model, warm it up."""
+    group (here, or in the other pods of a group that spans pods), resolve and
+    load the model, warm it up."""
+    pods = PodGroup.from_env(os.environ, config.group_port)
+    if pods is not None and not pods.is_leader:
+        raise ValueError(f"this pod is worker {pods.index} of its group: it runs services.worker.follower")
+    local_ranks = pods.ranks_per_pod(config.tensor_parallel_size) if pods else config.tensor_parallel_size
     platform = select_platform(config.device)
-    platform.set_num_threads(config.num_threads, config.tensor_parallel_size)
+    platform.set_num_threads(config.num_threads, local_ranks)
     platform.set_activations(config.activations)
-    group = TensorParallel.start(config, platform) if config.tensor_parallel_size > 1 else None
+    group = TensorParallel.start(config, platform, pods) if config.tensor_parallel_size > 1 else None
     runner = build_runner(config, platform, group)
     runner.warm_up()
     return runner

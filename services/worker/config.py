@@ -44,8 +44,13 @@ class WorkerConfig(InternalTlsSettings):
         0, "torch intra-op CPU threads of the worker, split evenly between its tensor-parallel ranks "
         "(at least one each); 0 = torch default (the cores it may use)")
     tensor_parallel_size: int = setting(
-        1, "ranks (processes, one device each) the model is split over; rank 0 serves", alias="tensorParallelSize",
+        1, "ranks (processes, one device each) the model is split over; rank 0 serves. In a group of pods "
+        "(LeaderWorkerSet: LWS_GROUP_SIZE > 1) the whole group's: each pod runs tensor_parallel_size / "
+        "LWS_GROUP_SIZE of them", alias="tensorParallelSize",
     )
+    group_port: int = setting(
+        29500, "a group of pods (LWS_GROUP_SIZE > 1): the leader pod's port of the group's rendezvous "
+        "(torch.distributed's TCP store); rank 0's step channel takes the next one")
     drain_timeout_s: float = drain_timeout_setting()
     health_port: int = health_port_setting()
     activations: str = setting(
@@ -75,5 +80,6 @@ class WorkerConfig(InternalTlsSettings):
         require(self.max_batch_size >= 1, f"max_batch_size must be >= 1, got {self.max_batch_size}")
         require(self.num_threads >= 0, f"num_threads must be >= 0, got {self.num_threads}")
         require(self.tensor_parallel_size >= 1, f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        require(1 <= self.group_port <= 65534, f"group_port must be in [1, 65534], got {self.group_port}")
         check_drain_timeout(self.drain_timeout_s)
         check_internal_tls(self)

@@ -30,7 +30,9 @@ A rank that dies ends the group: rank 0 exits (a watcher sees the process go;
 a collective with a dead peer fails the step first where the backend notices),
 the scheduler fails the sequences it ran with its worker-lost error, and the
 supervisor (or Kubernetes) starts the group again. Followers get SIGTERM when
-rank 0 goes. One host: every rank of a group runs where rank 0 runs.
+rank 0 goes. On one host rank 0 starts every rank; a group may also span pods
+(pods.py: LeaderWorkerSet), each pod starting its own ranks, whose step
+channels rank 0 accepts over the network.
 """
 from __future__ import annotations
 
@@ -53,6 +55,7 @@ import torch.distributed as dist
 
 from services.common.supervisor import SUPERVISOR_PID_ENV, exit_reason, free_port
 from services.worker.platforms import Platform
+from services.worker.pods import AUTHKEY_STORE_KEY, PodGroup, accept_followers
 from services.worker.quantization import GROUP, Fp8BlockWeight, Int8Weight, QuantizedWeight
 from services.worker.sequence import SequenceInput
 
@@ -108,20 +111,28 @@ def config_flags(config) -> list[str]:
 class TensorParallel:
     """This rank's place in the group, its shards, and the group's collectives."""
 
-    def __init__(self, rank: int, world_size: int, platform: Platform, dist_port: int):
+    def __init__(self, rank: int, world_size: int, platform: Platform, dist_port: int = 0,
+                 store: dist.Store | None = None):
         self.rank, self.world_size = rank, world_size
         self.platform = platform
-        dist.init_process_group(backend=platform.dist_backend, init_method=f"tcp://127.0.0.1:{dist_port}",
-                                rank=rank, world_size=world_size, timeout=timedelta(minutes=10))
+        # One host: a rendezvous on a free local port; pods: the group's store (pods.py).
+        rendezvous = {"store": store} if store is not None else {"init_method": f"tcp://127.0.0.1:{dist_port}"}
+        dist.init_process_group(backend=platform.dist_backend, rank=rank, world_size=world_size,
+                                timeout=timedelta(minutes=10), **rendezvous)
         self._followers: list[Connection] = []  # rank 0: one per follower, by rank
-        self._processes: list[subprocess.Popen] = []
+        self._processes: list[subprocess.Popen] = []  # rank 0: the followers it started
         self._leader: Connection | None = None  # a follower: its connection to rank 0
+        self.released = False  # a follower: rank 0 ended the group (not lost)
+        self._closing = False  # rank 0: close() is under way, followers leave
 
     # --- starting the group ---------------------------------------------------
 
     @classmethod
-    def start(cls, config, platform: Platform) -> TensorParallel:
-        """Rank 0: start the followers with `config`, connect to each, join them."""
+    def start(cls, config, platform: Platform, pods: PodGroup | None = None) -> TensorParallel:
+        """Rank 0: start the followers with `config`, connect to each, join them;
+        with `pods`, start this pod's followers and accept every follower's channel."""
+        if pods is not None:
+            return cls._start_pods(config, platform, pods)
         world_size = config.tensor_parallel_size
         authkey = secrets.token_bytes(16)
         dist_port = free_port()
@@ -146,6 +157,45 @@ class TensorParallel:
         return group
 
     @classmethod
+    def _start_pods(cls, config, platform: Platform, pods: PodGroup) -> TensorParallel:
+        world_size = config.tensor_parallel_size
+        store = pods.open_store(0, world_size)
+        authkey = secrets.token_bytes(16)
+        listener = Listener((config.host, pods.steps_port), backlog=world_size, authkey=authkey)
+        store.set(AUTHKEY_STORE_KEY, authkey.hex())
+        env = {**os.environ, SUPERVISOR_PID_ENV: str(os.getpid())}
+        processes = [subprocess.Popen([sys.executable, "-m", "services.worker.follower", "--tp-rank", str(rank),
+                                       *config_flags(config)], env=env)
+                     for rank in pods.ranks(world_size)[1:]]
+
+        def failed() -> str | None:
+            exited = [p.returncode for p in processes if p.poll() is not None]
+            return f"a tensor-parallel rank {exit_reason(exited[0])} while starting" if exited else None
+
+        try:
+            with listener:
+                followers = accept_followers(listener, range(1, world_size), failed)
+        except RuntimeError:
+            for process in processes:
+                process.kill()
+            raise
+        group = cls(0, world_size, platform, store=store)
+        group._followers, group._processes = list(followers.values()), processes
+        threading.Thread(target=group._watch, name="tp-watch", daemon=True).start()
+        log.info("tensor-parallel group of %d ranks over %d pods (%s)", world_size, pods.size,
+                 platform.dist_backend)
+        return group
+
+    @classmethod
+    def join_pods(cls, rank: int, world_size: int, pods: PodGroup, platform: Platform) -> TensorParallel:
+        """A follower of a group that spans pods: meet rank 0 at the leader."""
+        store = pods.open_store(rank, world_size)
+        connection = pods.connect(rank, store)
+        group = cls(rank, world_size, platform, store=store)
+        group._leader = connection
+        return group
+
+    @classmethod
     def join(cls, rank: int, world_size: int, listen: str, dist_port: int, platform: Platform) -> TensorParallel:
         """A follower: wait for rank 0 to connect, join the group."""
         host, port = listen.rsplit(":", 1)
@@ -158,8 +208,17 @@ class TensorParallel:
     def _watch(self) -> None:
         while True:
             for rank, process in enumerate(self._processes, start=1):
-                if process.poll() is not None:
+                if process.poll() is not None and not self._closing:
                     self.lost(f"tensor-parallel rank {rank} {exit_reason(process.returncode)}")
+            # Followers never send: a channel that reads is one whose follower
+            # is gone (how rank 0 sees a rank in another pod go).
+            for rank, connection in enumerate(self._followers, start=1):
+                try:
+                    gone = connection.poll()
+                except (OSError, ValueError):  # closed here: close() is under way
+                    return
+                if gone and not self._closing:
+                    self.lost(f"tensor-parallel rank {rank} closed its step channel")
             time.sleep(WATCH_POLL_S)
 
     def lost(self, reason: str) -> None:
@@ -170,10 +229,17 @@ class TensorParallel:
         os._exit(1)
 
     def close(self) -> None:
-        """Rank 0: end the followers (their step channel closes) and leave the group."""
-        for connection in self._followers:
-            connection.close()
+        """Rank 0: end the followers (an empty step, then their step channel
+        closes) and leave the group."""
+        self._closing = True
         self._processes, processes = [], self._processes  # the watcher stops looking
+        followers, self._followers = self._followers, []
+        for connection in followers:
+            try:
+                connection.send_bytes(b"")
+            except OSError:
+                pass
+            connection.close()
         for process in processes:
             try:
                 process.wait(30)
@@ -200,6 +266,9 @@ class TensorParallel:
             try:
                 payload = self._leader.recv_bytes()
             except (EOFError, OSError):
+                return  # rank 0 is gone
+            if not payload:
+                self.released = True
                 return
             yield pickle.loads(payload)
 

@@ -1,0 +1,401 @@
+"""How many steps a second one scheduler plans: the real scheduler process
+(`python -m services.scheduler`) driving simulated workers that answer every
+step at once, fed through its own gRPC API as the tokenizer feeds it.
+
+- The workers are one process (this one): one grpc.aio server bound to a port
+  per worker, serving WorkerService (Describe, StepStream) and the health
+  service. Each step is answered with a real StepResponse of the right shape:
+  one SampledToken per sequence that samples, in request order, its step_id
+  echoed. Nothing is computed; the answer's bytes are cached per set of
+  sequences, so a worker's cost per step is parsing the request.
+- The requests come on one GenerateStream, as the tokenizer sends them: W x S
+  calls with `--prompt-len` random tokens, `ignore_eos` and `--max-tokens`;
+  a call that ends is started again at once, so every worker keeps S sequences.
+- The scheduler is found as it finds workers locally: the static
+  `worker_addresses` setting (STORMSERVE_WORKER_ADDRESSES), with maxBatchSize S.
+
+Per point (W workers x S sequences each), after the warm-up (every call
+admitted, `--warmup-s` more), `--repeats` windows of `--seconds`: steps/s of
+all workers together (GetLoad's num_steps), tokens/s delivered to the caller,
+the scheduler's process CPU time (all its threads, from /proc) per step in µs,
+and both processes' CPU use in % of one core. The figures are the medians over
+the windows. This process (workers and caller) shares the machine's cores with
+the scheduler: where it is near 100 %, the scheduler waited on it, and its CPU
+per step, not the steps/s, is the figure to read.
+
+    PYTHONPATH=gen:. .venv/bin/python -m bench.scheduler_throughput
+    PYTHONPATH=gen:. .venv/bin/python -m bench.scheduler_throughput --workers 16 --sequences 64 \\
+        --tree before=/tmp/before --tree after=. --rounds 3        # A/B, order alternating per round
+    PYTHONPATH=gen:. .venv/bin/python -m bench.scheduler_throughput --workers 16 --sequences 64 \\
+        --profile /tmp/scheduler.prof                              # the scheduler under cProfile
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import psutil
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from stormserve.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
+from stormserve.worker.v1 import worker_pb2
+
+ROOT = Path(__file__).resolve().parent.parent
+TOKEN_ID = 1000  # what every simulated step samples (never an EOS)
+EOS_TOKEN_ID = 2
+VOCAB_SIZE = 32000
+WORKER_SERVICE = "stormserve.worker.v1.WorkerService"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+class SimulatedWorkers:
+    """`num_workers` workers on one grpc.aio server, one port each; every step
+    answered at once with one sampled token per sampling sequence."""
+
+    def __init__(self, num_workers: int, block_size: int, num_kv_blocks: int, max_batch_size: int):
+        self.description = worker_pb2.DescribeResponse(
+            model_path="simulated", vocab_size=VOCAB_SIZE, eos_token_ids=[EOS_TOKEN_ID],
+            max_position_embeddings=1 << 20, device="cpu", dtype="bfloat16", num_kv_blocks=num_kv_blocks,
+            block_size=block_size, max_batch_size=max_batch_size)
+        self.num_workers = num_workers
+        self.num_steps = 0
+        self.num_tokens = 0
+        self._answers: dict[tuple[int, ...], bytes] = {}  # sampling seq ids -> the tokens' bytes
+        self.server: grpc.aio.Server | None = None  # made on the running loop, by start
+        self.addresses: list[str] = []
+
+    def answer(self, raw: bytes) -> bytes:
+        """The StepStreamResponse to a StepStreamRequest, both serialized."""
+        step = worker_pb2.StepStreamRequest.FromString(raw).step
+        sampling = tuple(s.seq_id for s in step.sequences if s.sample)
+        tokens = self._answers.get(sampling)
+        if tokens is None:
+            if len(self._answers) > 4096:
+                self._answers.clear()
+            tokens = self._answers[sampling] = worker_pb2.StepResponse(
+                tokens=[worker_pb2.SampledToken(seq_id=i, token_id=TOKEN_ID) for i in sampling]).SerializeToString()
+        # Serialized messages concatenate as a merge: step_id first, then the tokens.
+        body = worker_pb2.StepResponse(step_id=step.step_id).SerializeToString() + tokens
+        self.num_steps += 1
+        self.num_tokens += len(sampling)
+        return b"\x0a" + _varint(len(body)) + body
+
+    async def _step_stream(self, requests, context):
+        async for raw in requests:
+            yield self.answer(raw)
+
+    async def _describe(self, request, context):
+        return self.description
+
+    async def start(self, host: str = "127.0.0.1") -> None:
+        self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+        handlers = {
+            "Describe": grpc.unary_unary_rpc_method_handler(
+                self._describe, request_deserializer=worker_pb2.DescribeRequest.FromString,
+                response_serializer=worker_pb2.DescribeResponse.SerializeToString),
+            "StepStream": grpc.stream_stream_rpc_method_handler(self._step_stream),  # bytes in, bytes out
+        }
+        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(WORKER_SERVICE, handlers),))
+        health_servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self.server)
+        for _ in range(self.num_workers):
+            port = self.server.add_insecure_port(f"{host}:0")
+            self.addresses.append(f"{host}:{port}")
+        await self.server.start()
+        await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            await self.server.stop(0)
+
+
+class Caller:
+    """Keeps `num_calls` Generate calls running on one GenerateStream, as the tokenizer would."""
+
+    def __init__(self, stub, num_calls: int, prompt_len: int, max_tokens: int, seed: int = 0):
+        self.stub = stub
+        self.num_calls = num_calls
+        self.prompt_len = prompt_len
+        self.max_tokens = max_tokens
+        self.rng = random.Random(seed)
+        self.num_tokens = 0
+        self.num_ended = 0
+        self.errors: list[str] = []
+        self._ids = itertools.count(1)
+        self._outgoing: asyncio.Queue = asyncio.Queue()
+        self._call = None
+        self._reader: asyncio.Task | None = None
+
+    def _start_one(self) -> None:
+        call_id = next(self._ids)
+        request = scheduler_pb2.GenerateRequest(
+            request_id=f"bench-{call_id}",
+            prompt_token_ids=[self.rng.randrange(3, VOCAB_SIZE) for _ in range(self.prompt_len)],
+            sampling=scheduler_pb2.SamplingParams(temperature=0.0),
+            stopping=scheduler_pb2.StoppingCriteria(max_tokens=self.max_tokens, ignore_eos=True))
+        self._outgoing.put_nowait(scheduler_pb2.GenerateStreamRequest(call_id=call_id, start=request))
+
+    async def _requests(self):
+        while (request := await self._outgoing.get()) is not None:
+            yield request
+
+    async def _read(self) -> None:
+        async for reply in self._call:
+            for event in reply.events:
+                if event.WhichOneof("event") == "end":
+                    self.num_ended += 1
+                    if event.end.code != 0 and len(self.errors) < 10:
+                        self.errors.append(f"{event.end.code}: {event.end.message}")
+                    self._start_one()
+                else:
+                    self.num_tokens += len(event.response.tokens)
+
+    def start(self) -> None:
+        self._call = self.stub.GenerateStream(self._requests())
+        for _ in range(self.num_calls):
+            self._start_one()
+        self._reader = asyncio.create_task(self._read())
+
+    async def stop(self) -> None:
+        self._outgoing.put_nowait(None)
+        if self._call is not None:
+            self._call.cancel()
+        if self._reader is not None:
+            await asyncio.gather(self._reader, return_exceptions=True)
+
+
+def cpu_seconds(process: psutil.Process) -> float:
+    times = process.cpu_times()
+    return times.user + times.system
+
+
+@dataclass(frozen=True)
+class Point:
+    num_workers: int
+    num_sequences: int  # per worker
+
+
+def scheduler_env(tree: Path, port: int, addresses: list[str], point: Point, args) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("STORMSERVE_", "OTEL_"))}
+    gen = tree / "gen" if (tree / "gen").is_dir() else ROOT / "gen"
+    env.update({
+        "PYTHONPATH": f"{gen}:{tree}",
+        "STORMSERVE_HOST": "127.0.0.1",
+        "STORMSERVE_PORT": str(port),
+        "STORMSERVE_WORKER_ADDRESSES": ",".join(addresses),
+        "STORMSERVE_MAX_BATCH_SIZE": str(point.num_sequences),
+        "STORMSERVE_MAX_SEQ_LEN": str(args.prompt_len + args.max_tokens + 1),
+        "STORMSERVE_MAX_ITER_TIMES": str(args.max_tokens),
+        "STORMSERVE_MAX_QUEUE_SIZE": str(2 * point.num_workers * point.num_sequences + 16),
+        "STORMSERVE_METRICS_PORT": str(free_port() if args.metrics else 0),
+        "STORMSERVE_DRAIN_TIMEOUT_S": "2",
+        "STORMSERVE_LOG_LEVEL": "WARNING",
+    })
+    return env
+
+
+def start_scheduler(tree: Path, env: dict[str, str], profile: str | None) -> subprocess.Popen:
+    command = [sys.executable]
+    if profile:
+        command += ["-m", "cProfile", "-o", profile]
+    command += ["-m", "services.scheduler"]
+    return subprocess.Popen(command, cwd=tree, env=env, stdout=subprocess.DEVNULL)
+
+
+async def wait_for(predicate, timeout_s: float, what: str, process: subprocess.Popen) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"the scheduler exited ({process.returncode}) while waiting for {what}")
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            if await predicate():
+                return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {what} after {timeout_s} s")
+        await asyncio.sleep(0.05)
+
+
+async def run_point(point: Point, args, tree: Path = ROOT, profile: str | None = None) -> dict:
+    blocks_per_seq = -(-(args.prompt_len + args.max_tokens) // args.block_size)
+    workers = SimulatedWorkers(point.num_workers, args.block_size,
+                               num_kv_blocks=point.num_sequences * blocks_per_seq + 16,
+                               max_batch_size=point.num_sequences)
+    await workers.start()
+    port = free_port()
+    process = start_scheduler(tree, scheduler_env(tree, port, workers.addresses, point, args), profile)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
+    caller = Caller(stub, point.num_workers * point.num_sequences, args.prompt_len, args.max_tokens)
+    try:
+        async def all_ready() -> bool:
+            load = await stub.GetLoad(scheduler_pb2.GetLoadRequest(), timeout=2)
+            return load.num_workers_ready == point.num_workers
+
+        await wait_for(all_ready, 60, "ready workers", process)
+        caller.start()
+
+        async def all_running() -> bool:
+            load = await stub.GetLoad(scheduler_pb2.GetLoadRequest(), timeout=5)
+            return load.num_running >= caller.num_calls
+
+        await wait_for(all_running, 60, "running sequences", process)
+        await asyncio.sleep(args.warmup_s)
+        scheduler, bench = psutil.Process(process.pid), psutil.Process()
+        windows = []
+        for _ in range(args.repeats):
+            before = (time.monotonic(), (await stub.GetLoad(scheduler_pb2.GetLoadRequest())).num_steps,
+                      caller.num_tokens, cpu_seconds(scheduler), cpu_seconds(bench))
+            await asyncio.sleep(args.seconds)
+            after = (time.monotonic(), (await stub.GetLoad(scheduler_pb2.GetLoadRequest())).num_steps,
+                     caller.num_tokens, cpu_seconds(scheduler), cpu_seconds(bench))
+            wall, steps, tokens, scheduler_cpu, bench_cpu = (a - b for a, b in zip(after, before))
+            windows.append({
+                "steps_per_s": steps / wall,
+                "tokens_per_s": tokens / wall,
+                "scheduler_cpu_us_per_step": scheduler_cpu / max(steps, 1) * 1e6,
+                "scheduler_cpu_pct": 100 * scheduler_cpu / wall,
+                "bench_cpu_pct": 100 * bench_cpu / wall,
+            })
+        if caller.errors:
+            raise RuntimeError(f"calls failed: {caller.errors}")
+    finally:
+        await caller.stop()
+        await channel.close()
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.get_running_loop().run_in_executor(None, process.wait, 30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        await workers.stop()
+    result = {"workers": point.num_workers, "sequences_per_worker": point.num_sequences}
+    for key in windows[0]:
+        values = sorted(w[key] for w in windows)
+        result[key] = round(statistics.median(values), 1)
+    result["steps_per_s_range"] = [round(windows_min, 1) for windows_min in
+                                   (min(w["steps_per_s"] for w in windows), max(w["steps_per_s"] for w in windows))]
+    result["windows"] = len(windows)
+    return result
+
+
+COLUMNS = (("tree", "tree"), ("workers", "W"), ("sequences_per_worker", "S"), ("steps_per_s", "steps/s"),
+           ("tokens_per_s", "tokens/s"), ("scheduler_cpu_us_per_step", "sched CPU µs/step"),
+           ("scheduler_cpu_pct", "sched CPU %"), ("bench_cpu_pct", "bench CPU %"))
+
+
+def table(rows: list[dict]) -> str:
+    columns = [(key, title) for key, title in COLUMNS if any(key in r for r in rows)]
+    lines = ["| " + " | ".join(title for _, title in columns) + " |",
+             "|" + "|".join("---" for _ in columns) + "|"]
+    for row in rows:
+        lines.append("| " + " | ".join(str(row.get(key, "")) for key, _ in columns) + " |")
+    return "\n".join(lines)
+
+
+def ab_summary(rows: list[dict], trees: list[str]) -> str:
+    """Per point and tree: the medians over rounds, and each tree's steps/s and CPU
+    per step over the first tree's (the median of the per-round ratios)."""
+    lines = ["| W | S | tree | steps/s | sched CPU µs/step | steps/s ratio | CPU/step ratio |",
+             "|---|---|---|---|---|---|---|"]
+    points = sorted({(r["workers"], r["sequences_per_worker"]) for r in rows})
+    for workers, seqs in points:
+        at = [r for r in rows if (r["workers"], r["sequences_per_worker"]) == (workers, seqs)]
+        base = {r["round"]: r for r in at if r["tree"] == trees[0]}
+        for tree in trees:
+            mine = [r for r in at if r["tree"] == tree]
+            steps = statistics.median(r["steps_per_s"] for r in mine)
+            cpu = statistics.median(r["scheduler_cpu_us_per_step"] for r in mine)
+            steps_ratio = statistics.median(r["steps_per_s"] / base[r["round"]]["steps_per_s"] for r in mine)
+            cpu_ratio = statistics.median(r["scheduler_cpu_us_per_step"] / base[r["round"]]["scheduler_cpu_us_per_step"]
+                                          for r in mine)
+            lines.append(f"| {workers} | {seqs} | {tree} | {steps:.0f} | {cpu:.0f} | x{steps_ratio:.2f} | "
+                         f"x{cpu_ratio:.2f} |")
+    return "\n".join(lines)
+
+
+def parse_tree(text: str) -> tuple[str, Path]:
+    name, _, path = text.partition("=")
+    if not path:
+        raise argparse.ArgumentTypeError("a tree is NAME=PATH")
+    return name, Path(path).resolve()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workers", type=int, nargs="+", default=[1, 8, 16, 32], help="worker counts")
+    p.add_argument("--sequences", type=int, nargs="+", default=[8, 64, 256], help="sequences per worker")
+    p.add_argument("--seconds", type=float, default=1.0, help="length of one measured window")
+    p.add_argument("--repeats", type=int, default=3, help="measured windows per point (their median is reported)")
+    p.add_argument("--warmup-s", type=float, default=0.5, help="seconds after every call is running, not measured")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=2048, help="each call's; an ended call starts again")
+    p.add_argument("--block-size", type=int, default=128, help="the simulated workers' KV block size (tokens)")
+    p.add_argument("--no-metrics", dest="metrics", action="store_false",
+                   help="run the scheduler with its /metrics off (on by default, as deployed)")
+    p.add_argument("--tree", type=parse_tree, action="append", default=[],
+                   help="NAME=PATH: run the scheduler from this checkout (several: A/B, alternating order)")
+    p.add_argument("--rounds", type=int, default=1, help="rounds over the trees (A/B)")
+    p.add_argument("--profile", help="write the scheduler's cProfile stats here (one tree, one point)")
+    p.add_argument("--out", help="also write the JSON lines here")
+    return p.parse_args(argv)
+
+
+async def run(args: argparse.Namespace) -> list[dict]:
+    trees = args.tree or [("this", ROOT)]
+    points = [Point(w, s) for w in args.workers for s in args.sequences]
+    if args.profile and (len(points) > 1 or len(trees) > 1):
+        raise SystemExit("--profile takes one point and one tree")
+    rows = []
+    for round_index in range(args.rounds):
+        for point in points:
+            order = trees if round_index % 2 == 0 else trees[::-1]
+            for name, path in order:
+                row = {"tree": name, "round": round_index, **await run_point(point, args, path, args.profile)}
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    rows = asyncio.run(run(args))
+    if args.out:
+        Path(args.out).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    print()
+    print(table(rows))
+    if len({r["tree"] for r in rows}) > 1:
+        print()
+        print(ab_summary(rows, [name for name, _ in (args.tree or [])]))
+
+
+if __name__ == "__main__":
+    main()

@@ -39,7 +39,18 @@ def named(objects, kind: str, name: str) -> dict:
 
 
 def workloads(objects) -> list[dict]:
-    return [o for o in objects if o["kind"] in ("Deployment", "StatefulSet")]
+    """Deployments and StatefulSets; a LeaderWorkerSet's leader and worker pod
+    templates each as a workload of its own (spec.template, spec.replicas: its pods)."""
+    found = []
+    for o in objects:
+        if o["kind"] in ("Deployment", "StatefulSet"):
+            found.append(o)
+        elif o["kind"] == "LeaderWorkerSet":
+            groups, template = o["spec"].get("replicas", 1), o["spec"]["leaderWorkerTemplate"]
+            for role, replicas in (("leaderTemplate", groups), ("workerTemplate", groups * (template["size"] - 1))):
+                found.append({"kind": "LeaderWorkerSet", "metadata": {"name": f"{o['metadata']['name']} {role}"},
+                              "spec": {"replicas": replicas, "template": template[role]}})
+    return found
 
 
 def selects(service: dict, workload: dict) -> bool:

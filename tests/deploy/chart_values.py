@@ -71,6 +71,13 @@ VALUE_SETS: dict[str, dict] = {
         "tls": {"internal": {"enabled": True, "secretName": "stormserve-internal-tls"}},
         "envoy": {"enabled": True},
     },
+    # A worker that spans pods: a LeaderWorkerSet of 2 groups of 2 pods, 8 NPUs each.
+    "multi-node": {
+        "worker": {"accelerator": "npu", "nodes": 2, "tensorParallelSize": 8, "replicas": 2},
+        "model": {"source": "pvc", "pvc": {"claimName": "deepseek-r1"}, "path": "DeepSeek-R1-W8A8",
+                  "name": "DeepSeek-R1"},
+        "metrics": {"enabled": True},
+    },
     "internal-tls-cert-manager": {
         "tls": {"internal": {"enabled": True, "serverName": "llm.internal.example",
                              "certManager": {"issuerRef": {"name": "stormserve-ca", "kind": "ClusterIssuer"}}}},
@@ -80,7 +87,7 @@ VALUE_SETS: dict[str, dict] = {
 
 # Each service's config, by the module a container runs (`python -m services.<module>`).
 CONFIGS = {"http_edge": EdgeConfig, "tokenizer": TokenizerConfig, "scheduler": SchedulerConfig,
-           "worker": WorkerConfig, "envoy": EnvoyConfig}
+           "worker": WorkerConfig, "worker.follower": WorkerConfig, "envoy": EnvoyConfig}
 
 
 def process_settings() -> set[str]:

@@ -1,7 +1,8 @@
 """The Helm chart in deploy/k8s, rendered and linted by a real Helm v4 engine (the
 `helm-python-sdk` wheel, no helm binary) for several value sets, every rendered
 object validated strictly against the Kubernetes 1.29 and 1.37 API schemas
-(`kubernetes-validate`), and what the pods get checked against the code: every
+(`kubernetes-validate`; a LeaderWorkerSet against LWS's published schema, its pod
+templates strictly as Kubernetes pod templates), and what the pods get checked against the code: every
 setting is a field of its service's config and reaches it, addresses name the
 services and their ports, API keys come from the Secret. The pods themselves
 (probes, discovery, scaling, the network): test_chart_pods.py."""
@@ -10,8 +11,11 @@ from __future__ import annotations
 import base64
 import copy
 import functools
+import json
+from pathlib import Path
 
 import helm_python as helm
+import jsonschema
 import kubernetes_validate
 import kubernetes_validate.utils
 import pytest
@@ -43,6 +47,24 @@ CUSTOM_RESOURCES = {("keda.sh/v1alpha1", "ScaledObject"), ("monitoring.coreos.co
                     ("cert-manager.io/v1", "Certificate")}
 
 
+# LeaderWorkerSet (kubernetes-sigs/lws), a custom resource the chart renders for
+# worker.nodes > 1: checked against the facts of LWS's published schema (the file says where from).
+LEADERWORKERSET_SCHEMA = json.loads((Path(__file__).parent / "leaderworkerset.schema.json").read_text())
+
+
+def validate_leaderworkerset(obj: dict, version: str) -> None:
+    """jsonschema.ValidationError or kubernetes_validate.ValidationError for a
+    LeaderWorkerSet that LWS's schema, or Kubernetes' for its pod templates, refuses."""
+    jsonschema.Draft202012Validator(LEADERWORKERSET_SCHEMA).validate(obj)
+    templates = obj["spec"]["leaderWorkerTemplate"]
+    for role in ("leaderTemplate", "workerTemplate"):
+        if role in templates:
+            name = f"{obj['metadata']['name']}-{role.lower()}"
+            pod_template = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": name},
+                            "template": templates[role]}
+            kubernetes_validate.validate(pod_template, version, strict=True)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def cached_schemas():
     """kubernetes-validate reads its 1.8 MB definitions file on every call: read each once."""
@@ -67,16 +89,21 @@ def test_lint_strict(value_set):
 @pytest.mark.parametrize("version", KUBE_VERSIONS)
 @pytest.mark.parametrize("value_set", VALUE_SETS)
 def test_every_object_validates_strictly(value_set, version):
-    skipped = set()
+    skipped, leaderworkersets = set(), 0
     for obj in rendered(value_set):
         try:
+            if (obj["apiVersion"], obj["kind"]) == ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"):
+                validate_leaderworkerset(obj, version)  # no Kubernetes schema knows it
+                leaderworkersets += 1
+                continue
             kubernetes_validate.validate(obj, version, strict=True)
         except kubernetes_validate.SchemaNotFoundError:
             key = (obj["apiVersion"], obj["kind"])
             assert key in CUSTOM_RESOURCES, f"no schema for {key}: not a Kubernetes {version} kind"
             skipped.add(key)
-        except kubernetes_validate.ValidationError as exc:
+        except (kubernetes_validate.ValidationError, jsonschema.ValidationError) as exc:
             pytest.fail(f"{obj['kind']}/{obj['metadata']['name']} at {'.'.join(map(str, exc.path))}: {exc.message}")
+    assert leaderworkersets == (VALUE_SETS[value_set].get("worker", {}).get("nodes", 1) > 1)
     expected = {"custom-metrics": {("keda.sh/v1alpha1", "ScaledObject")},
                 "metrics": {("monitoring.coreos.com/v1", "PodMonitor")},
                 "internal-tls-cert-manager": {("monitoring.coreos.com/v1", "PodMonitor"),
@@ -89,6 +116,24 @@ def test_the_validation_is_strict():
     deployment["spec"]["template"]["spec"]["containers"][0]["readynessProbe"] = {}
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(deployment, "1.37", strict=True)
+
+
+@pytest.mark.parametrize(("path", "value"), [
+    (("leaderWorkerTemplate", "restartPolicy"), "RecreateGroup"),
+    (("leaderWorkerTemplate", "size"), 0),
+    (("leaderWorkerTemplate", "sise"), 2),
+    (("startupPolicy",), "LeaderStarted"),
+    (("leaderWorkerTemplate", "workerTemplate", "spec", "containers", 0, "readynessProbe"), {}),
+])
+def test_the_leaderworkerset_validation_is_strict(path, value):
+    lws = copy.deepcopy(of_kind(rendered("multi-node"), "LeaderWorkerSet")[0])
+    validate_leaderworkerset(lws, "1.37")
+    where = lws["spec"]
+    for key in path[:-1]:
+        where = where[key]
+    where[path[-1]] = value
+    with pytest.raises((jsonschema.ValidationError, kubernetes_validate.ValidationError)):
+        validate_leaderworkerset(lws, "1.37")
 
 
 def test_the_release_holds_what_the_issue_lists():

@@ -12,7 +12,7 @@ from services.common import tracing
 from services.common.config import load_config
 from services.scheduler.config import SchedulerConfig
 from services.worker.config import WorkerConfig
-from tests.chart import CHART, NAMESPACE, RELEASE, named, of_kind, workloads
+from tests.chart import CHART, NAMESPACE, RELEASE, named, of_kind, selects, workloads
 from tests.deploy.chart_values import (
     CONFIGS,
     VALUE_SETS,
@@ -30,8 +30,11 @@ from tests.deploy.chart_values import (
 @pytest.mark.parametrize("value_set", VALUE_SETS)
 def test_probes_name_open_ports_and_registered_grpc_services(value_set):
     for workload, container, module in containers(rendered(value_set)):
-        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
         probes = {k: container[k] for k in ("startupProbe", "readinessProbe", "livenessProbe") if k in container}
+        if module == "worker.follower":  # a follower pod serves nothing: it exits when its group cannot go on
+            assert not probes and not container.get("ports")
+            continue
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
         assert {"readinessProbe", "livenessProbe"} <= set(probes)
         for kind, probe in probes.items():
             (handler,) = [k for k in ("grpc", "httpGet", "tcpSocket", "exec") if k in probe]
@@ -149,6 +152,8 @@ def test_the_scheduler_may_only_read_endpointslices(value_set):
 @pytest.mark.parametrize("value_set", VALUE_SETS)
 def test_the_scheduler_discovers_the_worker_service(value_set):
     objects = rendered(value_set)
+    if of_kind(objects, "LeaderWorkerSet"):
+        return  # test_a_worker_that_spans_pods_is_a_leaderworkerset
     (workers,) = of_kind(objects, "StatefulSet")
     service = named(objects, "Service", workers["spec"]["serviceName"])
     pod_labels = workers["spec"]["template"]["metadata"]["labels"]
@@ -324,3 +329,65 @@ def test_tracing_reaches_every_service_when_a_collector_is_named():
         assert env["OTEL_SERVICE_NAME"] == "stormserve-" + {"http_edge": "edge"}.get(module, module)
     for _, container, module in containers(rendered("defaults")):
         assert not tracing.configured(container_env(rendered("defaults"), container)), module
+
+
+# ---- a worker that spans pods (LeaderWorkerSet) -------------------------------
+
+
+def test_a_worker_that_spans_pods_is_a_leaderworkerset():
+    objects = rendered("multi-node")
+    assert not of_kind(objects, "StatefulSet")
+    (lws,) = of_kind(objects, "LeaderWorkerSet")
+    spec, template = lws["spec"], lws["spec"]["leaderWorkerTemplate"]
+    assert (spec["replicas"], template["size"]) == (2, 2)
+    assert template["restartPolicy"] == "RecreateGroupOnPodRestart"  # a pod that dies restarts its group
+    assert spec["startupPolicy"] == "LeaderCreated"  # the leader is ready only once the others joined
+    # LeaderWorkerSet makes a headless Service of its own name for LWS_LEADER_ADDRESS (publishing
+    # pods not yet ready): it must not be the worker Service, which lists ready leaders alone.
+    service = named(objects, "Service", component("worker"))
+    assert lws["metadata"]["name"] != service["metadata"]["name"]
+    leader, follower = (w for w in workloads(objects) if w["kind"] == "LeaderWorkerSet")
+    assert (leader["spec"]["replicas"], follower["spec"]["replicas"]) == (2, 2)
+    by_module = {module: (w, c) for w, c, module in containers(objects) if module.startswith("worker")}
+    assert by_module["worker"][0] == leader and by_module["worker.follower"][0] == follower
+    # Every pod holds 8 of the worker's 16 ranks, one device each; all agree on where they meet.
+    configs = {module: load_config(WorkerConfig, [], container_env(objects, c))
+               for module, (_, c) in by_module.items()}
+    for module, (_, c) in by_module.items():
+        resources = c["resources"]
+        assert resources["limits"]["huawei.com/Ascend910"] == resources["requests"]["huawei.com/Ascend910"] == 8
+        assert (configs[module].tensor_parallel_size, configs[module].device) == (16, "npu")
+        assert configs[module].group_port == configs["worker"].group_port
+    leader_ports = {p["name"]: p["containerPort"] for p in by_module["worker"][1]["ports"]}
+    assert (leader_ports["group-store"], leader_ports["group-steps"]) == (configs["worker"].group_port,
+                                                                          configs["worker"].group_port + 1)
+    # Only leaders are in the Services: LeaderWorkerSet labels a group's pods worker-index 0 (the
+    # leader, which runs rank 0 and serves WorkerService) to size - 1.
+    for name in ("worker", "worker-metrics"):
+        service = named(objects, "Service", component(name))
+        assert selects(service, leader) and not selects(service, follower)
+        pod_labels = {**follower["spec"]["template"]["metadata"]["labels"],
+                      "leaderworkerset.sigs.k8s.io/worker-index": "1"}  # as LeaderWorkerSet labels the pod
+        assert not service["spec"]["selector"].items() <= pod_labels.items()
+    scheduler = next(c for _, c, m in containers(objects) if m == "scheduler")
+    assert container_env(objects, scheduler)["STORMSERVE_WORKER_SERVICE"] == component("worker")
+    # The ranks reach each other (rank 0's ports and the collectives' own).
+    policy = named(objects, "NetworkPolicy", component("worker"))
+    (peers,) = [rule for rule in policy["spec"]["ingress"] if "ports" not in rule]
+    (peer,) = peers["from"]
+    for pods in (leader, follower):
+        assert peer["podSelector"]["matchLabels"].items() <= pods["spec"]["template"]["metadata"]["labels"].items()
+    assert not [r for r in named(rendered("defaults"), "NetworkPolicy", component("worker"))["spec"]["ingress"]
+                if "ports" not in r]  # one-pod workers: the scheduler's gRPC alone, as before
+
+
+def test_static_discovery_names_the_leader_pods():
+    with helm.Chart.load(CHART) as chart:
+        text = chart.render({"worker": {"nodes": 4, "replicas": 2}, "scheduler": {"workerDiscovery": "static"}},
+                            name=RELEASE, namespace=NAMESPACE)
+    objects = [o for path, t in text.items() if path.endswith(".yaml") for o in yaml.safe_load_all(t) if o]
+    (lws,) = of_kind(objects, "LeaderWorkerSet")
+    scheduler = next(c for _, c, m in containers(objects) if m == "scheduler")
+    addresses = load_config(SchedulerConfig, [], container_env(objects, scheduler)).worker_addresses
+    name = lws["metadata"]["name"]  # leader pods <lws>-<group>, under LeaderWorkerSet's own headless Service
+    assert list(addresses) == [f"{name}-{i}.{name}.{NAMESPACE}.svc:50053" for i in range(2)]

@@ -109,13 +109,16 @@ affinity:
 {{- end }}
 {{- end -}}
 
-{{/* Pod template metadata: selector labels, the config checksum (pods restart when the ConfigMap changes), annotations. */}}
+{{/* Pod template metadata: selector labels (and .labels, when given), the config checksum (pods restart when the ConfigMap changes), annotations. */}}
 {{- define "stormserve.podMetadata" -}}
 {{- $c := index .root.Values .component -}}
 metadata:
   labels:
     {{- include "stormserve.componentLabels" . | nindent 4 }}
     {{- with .root.Values.podLabels }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+    {{- with .labels }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
   annotations:
@@ -316,9 +319,13 @@ where every container reads it, and what the gRPC services add. */}}
 {{- end }}
 {{- end -}}
 
-{{/* Static worker list: <sts>-<i>.<headless service>.<namespace>.svc:<port>, one per replica. */}}
+{{/* Static worker list: <sts>-<i>.<headless service>.<namespace>.svc:<port>, one per replica
+(with worker.nodes > 1, the leader pods <lws>-<i> under the LeaderWorkerSet's own headless Service). */}}
 {{- define "stormserve.staticWorkers" -}}
 {{- $name := include "stormserve.component" (dict "root" . "component" "worker") -}}
+{{- if gt (int .Values.worker.nodes) 1 -}}
+{{- $name = include "stormserve.workerGroupsName" . -}}
+{{- end -}}
 {{- $addresses := list -}}
 {{- range $i := until (int .Values.worker.replicas) -}}
 {{- $addresses = append $addresses (printf "%s-%d.%s.%s.svc:%d" $name $i $name $.Release.Namespace (int $.Values.ports.worker)) -}}

@@ -94,7 +94,13 @@ def main() -> None:
     runner = build_runner(config, platform, group)
     log.info("rank %d of %d loaded; following rank 0", rank, world_size)
     for inputs, block_copies in group.steps():
-        runner.follow(inputs, block_copies)
+        try:
+            runner.follow(inputs, block_copies)
+        except RuntimeError as exc:  # a collective whose peer is gone (torch.distributed's errors are these)
+            log.critical("rank %d: a step failed (%s): the tensor-parallel group cannot go on; exiting", rank,
+                         str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+            log.debug("the failed step", exc_info=True)
+            raise SystemExit(1) from None
     if not group.released:
         log.critical("rank %d lost rank 0 (its step channel closed): the tensor-parallel group cannot go on; "
                      "exiting", rank)

@@ -15,7 +15,9 @@ every other rank is a follower (services.worker.follower). They meet at the
 leader on two ports: `group_port`, torch.distributed's TCP store (rank 0
 hosts it), and `group_port + 1`, rank 0's step channel. Each follower reads
 the channel's key from the store, connects, and says its rank; rank 0 sends
-it every step as on one host (parallel.py). A follower that loses rank 0
+it every step as on one host (parallel.py). The key travels through the
+store, so the group trusts its network as torch.distributed itself does (the
+chart's NetworkPolicy lets only the release's workers reach these ports). A follower that loses rank 0
 exits with an error; rank 0 that loses a follower exits (the scheduler ends
 the group's sequences with its worker-lost error); either way a container
 exits and LeaderWorkerSet, with RecreateGroupOnPodRestart, starts the whole

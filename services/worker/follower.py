@@ -45,10 +45,11 @@ def build_runner(config: WorkerConfig, platform: Platform, group: TensorParallel
     )
 
 
-def _start_pod_ranks(config: WorkerConfig, ranks: range, log: logging.Logger) -> None:
+def _start_pod_ranks(config: WorkerConfig, pods: PodGroup, log: logging.Logger) -> None:
     """A follower pod: start its ranks after the first (this process), and exit
     with an error when one of them exits (they get SIGTERM when this one goes)."""
-    env = {**os.environ, SUPERVISOR_PID_ENV: str(os.getpid())}
+    ranks = pods.ranks(config.tensor_parallel_size)
+    env = {**os.environ, **pods.environ(), SUPERVISOR_PID_ENV: str(os.getpid())}
     processes = {rank: subprocess.Popen([sys.executable, "-m", "services.worker.follower", "--tp-rank", str(rank),
                                          *config_flags(config)], env=env) for rank in ranks[1:]}
 
@@ -82,7 +83,7 @@ def main() -> None:
     rank = args.tp_rank if args.tp_rank is not None else pods.ranks(world_size)[0]
     log = setup_logging(f"worker-rank{rank}")
     if args.tp_rank is None:
-        _start_pod_ranks(config, pods.ranks(world_size), log)
+        _start_pod_ranks(config, pods, log)
     local_ranks = pods.ranks_per_pod(world_size) if pods else world_size
     platform = select_platform(config.device, local_rank=rank % local_ranks)
     platform.set_num_threads(config.num_threads, local_ranks)

@@ -163,7 +163,7 @@ class TensorParallel:
         authkey = secrets.token_bytes(16)
         listener = Listener((config.host, pods.steps_port), backlog=world_size, authkey=authkey)
         store.set(AUTHKEY_STORE_KEY, authkey.hex())
-        env = {**os.environ, SUPERVISOR_PID_ENV: str(os.getpid())}
+        env = {**os.environ, **pods.environ(), SUPERVISOR_PID_ENV: str(os.getpid())}
         processes = [subprocess.Popen([sys.executable, "-m", "services.worker.follower", "--tp-rank", str(rank),
                                        *config_flags(config)], env=env)
                      for rank in pods.ranks(world_size)[1:]]

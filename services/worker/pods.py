@@ -76,6 +76,11 @@ class PodGroup:
             raise ValueError(f"group_port must be in [1, 65534] (the step channel takes the next), got {port}")
         return group
 
+    def environ(self) -> dict[str, str]:
+        """The variables that give this group back (to the ranks a pod starts)."""
+        return {GROUP_SIZE_ENV: str(self.size), WORKER_INDEX_ENV: str(self.index),
+                LEADER_ADDRESS_ENV: self.leader_address}
+
     @property
     def is_leader(self) -> bool:
         return self.index == 0

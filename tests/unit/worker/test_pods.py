@@ -1,7 +1,8 @@
 """A tensor-parallel worker whose ranks span pods (services/worker/pods.py),
 on loopback: two "pods" are processes started with LeaderWorkerSet's
 variables (LWS_LEADER_ADDRESS, LWS_GROUP_SIZE=2, LWS_WORKER_INDEX=0 and 1),
-one CPU rank each over gloo. Their greedy tokens are one process's; a killed
+one CPU rank each over gloo (and two each, on a tiny model, for the global
+ranks). Their greedy tokens are one process's; a killed
 follower pod takes the leader down with it (the scheduler then ends the
 group's sequences with its worker-lost error), and a killed leader makes the
 follower pod exit with an error (LeaderWorkerSet then restarts the group)."""
@@ -16,6 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+import torch
 
 from services.common.config import load_config
 from services.common.supervisor import free_port
@@ -148,3 +150,39 @@ def test_a_killed_pod_ends_the_group(killed, tmp_path):
             if process.poll() is None:
                 process.kill()
                 process.wait()
+
+
+def test_two_pods_of_two_ranks_give_one_processs_logprobs(tmp_path):
+    """Four ranks, two per pod: rank 0 starts rank 1 beside it, the follower
+    pod runs rank 2 and starts rank 3 (global rank = pod index × 2 + local
+    rank); a tiny random model with 4 KV heads, one per rank."""
+    from transformers import LlamaConfig
+
+    from tests.unit.worker.test_tensor_parallel import SMALL, VOCAB, _assert_same_logprobs, _logprobs, _tiny_model
+
+    model_path = _tiny_model(LlamaConfig(**{**SMALL, "num_attention_heads": 8, "num_key_value_heads": 4}), tmp_path)
+    sequences = torch.randint(0, VOCAB, (3, 37), generator=torch.Generator().manual_seed(1)).tolist()
+    alone = ModelRunner(model_path, select_platform("cpu"), "float32", block_size=4, kv_cache_bytes=16 * 2**20,
+                        max_batch_size=8)
+    group_port = free_port()
+    settings = {**SETTINGS, "STORMSERVE_TENSOR_PARALLEL_SIZE": "4", "STORMSERVE_MODEL_PATH": str(model_path)}
+    with (tmp_path / "follower.log").open("wb") as out:
+        follower = subprocess.Popen([sys.executable, "-m", "services.worker.follower"],
+                                    env={**_pod_env(1, group_port), **settings}, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        config = load_config(WorkerConfig, environ={**settings, "STORMSERVE_GROUP_PORT": str(group_port)}, argv=[])
+        platform = select_platform("cpu")
+        group = TensorParallel.start(config, platform, PodGroup(2, 0, "127.0.0.1", group_port))
+        try:
+            group_runner = build_runner(config, platform, group)
+            assert group_runner.kv_pool.spec.num_kv_heads == 1
+            together = _logprobs(group_runner, sequences, VOCAB)
+        finally:
+            group.close()
+        assert follower.wait(PROCESS_TIMEOUT_S) == 0, (tmp_path / "follower.log").read_text()
+    finally:
+        if follower.poll() is None:
+            follower.kill()
+            follower.wait()
+    assert "rank 2 of 4 loaded" in (tmp_path / "follower.log").read_text()
+    _assert_same_logprobs(together, _logprobs(alone, sequences, VOCAB), VOCAB)

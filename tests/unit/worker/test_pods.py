@@ -123,11 +123,22 @@ def _wait_for_line(process: subprocess.Popen, log: Path, text: str) -> None:
         pytest.fail(f"exited ({process.returncode}) before logging {text!r}:\n{log.read_text()}")
 
 
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    """A tiny random Llama: the kill tests time the group, not the model."""
+    from transformers import LlamaConfig
+
+    from tests.unit.worker.test_tensor_parallel import SMALL, _tiny_model
+
+    return _tiny_model(LlamaConfig(**SMALL), tmp_path_factory.mktemp("tiny"))
+
+
 @pytest.mark.parametrize("killed", ["follower", "leader"])
-def test_a_killed_pod_ends_the_group(killed, tmp_path):
+def test_a_killed_pod_ends_the_group(killed, tiny_model, tmp_path, monkeypatch):
     """Both pods real processes: the leader serving WorkerService, the
     follower pod following it. SIGKILL one; the other exits with an error
     that names what it lost."""
+    monkeypatch.setenv("STORMSERVE_MODEL_PATH", str(tiny_model))  # both pods' environment starts from os.environ
     group_port = free_port()
     leader_log = tmp_path / "leader.log"
     with leader_log.open("wb") as out:

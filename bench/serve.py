@@ -16,7 +16,19 @@ free ports as `make run` starts it (services/common/supervisor.py), with the
 environment's STORMSERVE_* settings and each `--chain-env NAME=VALUE` over
 them (STORMSERVE_DEVICE=cuda, STORMSERVE_MODEL_PATH=..., say), measured once
 /health answers, then stopped; its services' logs go to `--chain-log-dir`
-and its scheduler's /metrics is read as with --metrics-url.
+and its scheduler's /metrics is read as with --metrics-url. `--groups N` starts
+it with N serving groups (a scheduler and one worker each); every scheduler's
+/metrics is then read.
+
+`--turns T` makes each prompt a conversation of T turns: the next turn sends the
+previous messages, the answer and a follow-up, so it shares its prefix with the
+turn before (turns of one conversation run one after another; the concurrency
+counts conversations). With a stormserve scheduler's /metrics, each level
+reports the prefix-cache hit rate (hit / queried prompt tokens), the figure
+that compares group choices:
+
+    python -m bench.serve --start-chain --groups 2 --turns 3 --workload grounded \
+        --concurrency 4:8 --output-len 32 --chain-env STORMSERVE_GROUP_POLICY=random
 """
 from __future__ import annotations
 
@@ -68,16 +80,30 @@ SCHEDULER_COUNTERS = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num
                       "stormserve:step_batch_size_count")
 
 
+PREFIX_CACHE_COUNTERS = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")
+# Follow-up turns of a conversation (--turns), in turn.
+FOLLOW_UPS = ("Now do the same again, but shorter.", "Check your answer against the text and correct it.",
+              "Summarise what you did in one sentence.", "Do it once more, in the same format.")
+
+
 def read_counters(metrics_url: str) -> dict[str, float]:
-    """Sums over labels of SCHEDULER_COUNTERS at `metrics_url` (a scheduler's /metrics)."""
+    """Sums over labels of SCHEDULER_COUNTERS and PREFIX_CACHE_COUNTERS at `metrics_url`
+    (a scheduler's /metrics; a comma list of several: summed over them)."""
     import urllib.request
 
-    totals = dict.fromkeys(SCHEDULER_COUNTERS, 0.0)
-    for line in urllib.request.urlopen(metrics_url, timeout=10).read().decode().splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in totals:
-            totals[name] += float(line.rsplit(" ", 1)[1])
+    totals = dict.fromkeys(SCHEDULER_COUNTERS + PREFIX_CACHE_COUNTERS, 0.0)
+    for url in filter(None, metrics_url.split(",")):
+        for line in urllib.request.urlopen(url, timeout=10).read().decode().splitlines():
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name in totals:
+                totals[name] += float(line.rsplit(" ", 1)[1])
     return totals
+
+
+def prefix_cache_figures(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Prompt tokens queried against the prefix cache and found in it over a level."""
+    queried, hit = (after[name] - before[name] for name in PREFIX_CACHE_COUNTERS)
+    return {"queried_tokens": queried, "hit_tokens": hit, "hit_rate": hit / queried if queried else 0.0}
 
 
 def speculation_figures(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -98,6 +124,7 @@ class RequestResult:
     itl_s: list[float] = field(default_factory=list)
     output_tokens: int = 0
     error: str = ""
+    text: str = ""
 
 
 class HTTPStatusError(Exception):
@@ -172,8 +199,9 @@ async def post_events(url: str, body: bytes) -> AsyncIterator[bytes]:
         writer.close()
 
 
-async def one_request(url: str, args, prompt: str) -> RequestResult:
-    body = {"model": args.model, "messages": [{"role": "user", "content": prompt}], "stream": True,
+async def one_request(url: str, args, prompt: str | list[dict]) -> RequestResult:
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    body = {"model": args.model, "messages": messages, "stream": True,
             "max_tokens": args.output_len, "temperature": 0,
             "stream_options": {"include_usage": True}}
     if args.ignore_eos:
@@ -193,6 +221,7 @@ async def one_request(url: str, args, prompt: str) -> RequestResult:
                     result.output_tokens = chunk["usage"]["completion_tokens"]
                 if not any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
                     continue
+                result.text += "".join(c.get("delta", {}).get("content") or "" for c in chunk["choices"])
                 content_chunks += 1
                 now = time.perf_counter()
                 if result.ttft_s == 0.0:
@@ -230,19 +259,25 @@ class Progress:
 
 async def run_level(args, warm_up: str, prompts: list[str], concurrency: int | None, rate: float | None) -> dict:
     label = f"concurrency {concurrency}" if concurrency else f"rate {rate}/s"
-    progress = Progress(len(prompts), label)
+    turns = getattr(args, "turns", 1)
+    progress = Progress(len(prompts) * turns, label)
     url = args.base_url.rstrip("/") + "/v1/chat/completions"
     # Warm-up, excluded from the figures.
     await one_request(url, args, warm_up)
     gate = asyncio.Semaphore(concurrency or len(prompts))
     rng = random.Random(args.seed)
 
-    async def worker(prompt: str, delay: float) -> RequestResult:
+    async def worker(prompt: str, delay: float) -> list[RequestResult]:
         await asyncio.sleep(delay)
+        results, messages = [], [{"role": "user", "content": prompt}]
         async with gate:
-            result = await one_request(url, args, prompt)
-        progress.tick()
-        return result
+            for turn in range(turns):
+                if turn:
+                    messages += [{"role": "assistant", "content": results[-1].text},
+                                 {"role": "user", "content": FOLLOW_UPS[(turn - 1) % len(FOLLOW_UPS)]}]
+                results.append(await one_request(url, args, list(messages)))
+                progress.tick()
+        return results
 
     delays, t = [], 0.0
     for _ in prompts:
@@ -251,13 +286,16 @@ async def run_level(args, warm_up: str, prompts: list[str], concurrency: int | N
             t += rng.expovariate(rate)
     counters = read_counters(args.metrics_url) if args.metrics_url else None
     started, cpu_started = time.perf_counter(), time.process_time()
-    results = await asyncio.gather(*(worker(p, d) for p, d in zip(prompts, delays)))
+    conversations = await asyncio.gather(*(worker(p, d) for p, d in zip(prompts, delays)))
+    results = [r for conversation in conversations for r in conversation]
     elapsed = time.perf_counter() - started
     client_cpu_s = time.process_time() - cpu_started
     ok = [r for r in results if not r.error]
     tokens = sum(r.output_tokens for r in ok)
-    speculation = speculation_figures(counters, read_counters(args.metrics_url)) if counters else {}
-    return {"speculation": speculation,
+    after = read_counters(args.metrics_url) if counters else None
+    speculation = speculation_figures(counters, after) if counters else {}
+    return {"speculation": speculation, "prefix_cache": prefix_cache_figures(counters, after) if counters else {},
+        "turns": turns,
         "level": label, "concurrency": concurrency, "rate": rate, "requests": len(results),
         "errors": [r.error for r in results if r.error][:5], "num_errors": len(results) - len(ok),
         "duration_s": elapsed, "output_tokens": tokens, "output_tok_per_s": tokens / elapsed,
@@ -272,14 +310,16 @@ async def run_level(args, warm_up: str, prompts: list[str], concurrency: int | N
 
 def print_table(levels: list[dict]) -> None:
     header = f"{'level':<18}{'req':>5}{'err':>5}{'tok/s':>9}{'TTFT p50':>10}{'TTFT p90':>10}" \
-             f"{'ITL p50':>9}{'ITL p90':>9}{'E2E p50':>9}{'E2E p90':>9}{'client CPU':>12}"
+             f"{'ITL p50':>9}{'ITL p90':>9}{'E2E p50':>9}{'E2E p90':>9}{'client CPU':>12}{'cache hit':>10}"
     print(header)
     for lv in levels:
         client_cpu = f"{lv['client_cpu_s']:>11.2f}s" if "client_cpu_s" in lv else f"{'-':>12}"
+        prefix_cache = lv.get("prefix_cache") or {}
+        hit_rate = f"{prefix_cache['hit_rate']:>10.1%}" if prefix_cache else f"{'-':>10}"
         print(f"{lv['level']:<18}{lv['requests']:>5}{lv['num_errors']:>5}{lv['output_tok_per_s']:>9.1f}"
               f"{lv['ttft_s']['p50']:>9.3f}s{lv['ttft_s']['p90']:>9.3f}s"
               f"{lv['itl_s']['p50'] * 1000:>7.1f}ms{lv['itl_s']['p90'] * 1000:>7.1f}ms"
-              f"{lv['e2e_s']['p50']:>8.2f}s{lv['e2e_s']['p90']:>8.2f}s{client_cpu}")
+              f"{lv['e2e_s']['p50']:>8.2f}s{lv['e2e_s']['p90']:>8.2f}s{client_cpu}{hit_rate}")
 
 
 def plot(runs: dict[str, list[dict]], path: Path) -> None:
@@ -310,25 +350,43 @@ def plot(runs: dict[str, list[dict]], path: Path) -> None:
     plt.close(fig)
 
 
-def start_chain(settings: list[str], log_dir: str, timeout_s: float) -> Chain:
-    """A chain on free ports with `settings` (NAME=VALUE) over the environment's, healthy."""
+def start_chain(settings: list[str], log_dir: str, timeout_s: float, groups: int = 1) -> Chain:
+    """A chain on free ports with `settings` (NAME=VALUE) over the environment's, healthy;
+    with `groups` serving groups of one worker each."""
     from services.common.supervisor import Chain, free_port
 
     env = dict(setting.split("=", 1) for setting in settings)
     logs = Path(log_dir or tempfile.mkdtemp(prefix="bench-serve-chain-"))
     chain = Chain(edge_port=free_port(), tokenizer_port=free_port(), scheduler_port=free_port(),
-                  worker_ports=[free_port()], env=env, log_dir=logs)
+                  worker_ports=[free_port() for _ in range(groups)],
+                  group_scheduler_ports=[free_port() for _ in range(groups - 1)], env=env, log_dir=logs)
     print(f"starting a chain ({' '.join(settings) or 'settings from the environment'}); logs in {logs}",
           file=sys.stderr, flush=True)
     started = time.monotonic()
     chain.start()
     try:
         chain.wait_ready(timeout_s=timeout_s)
+        wait_groups_ready(chain, started + timeout_s)
     except BaseException:
         chain.stop()
         raise
     print(f"chain up in {time.monotonic() - started:.1f} s at {chain.url}", file=sys.stderr, flush=True)
     return chain
+
+
+def wait_groups_ready(chain: Chain, deadline: float) -> None:
+    """/health answers once one group serves: wait until every scheduler has a ready worker."""
+    import grpc
+
+    from stormserve.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+    for port in chain.scheduler_ports[1:]:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
+            while stub.GetLoad(scheduler_pb2.GetLoadRequest(), timeout=5).num_workers_ready < 1:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the scheduler on port {port} has no ready worker")
+                time.sleep(0.5)
 
 
 def main() -> None:
@@ -360,6 +418,11 @@ def main() -> None:
                         help="a setting of the started chain over the environment's (STORMSERVE_DEVICE=cuda)")
     parser.add_argument("--chain-log-dir", default="", help="the started chain's logs; empty = a temporary directory")
     parser.add_argument("--chain-timeout", type=float, default=600, help="seconds the started chain may take to start")
+    parser.add_argument("--groups", type=int, default=1,
+                        help="serving groups of the started chain (a scheduler and one worker each)")
+    parser.add_argument("--turns", type=int, default=1,
+                        help="turns per conversation: each next turn repeats the last with the answer and a "
+                             "follow-up (its prefix)")
     args = parser.parse_args()
     plan = []
     for level in filter(None, args.concurrency.split(",")):
@@ -370,9 +433,9 @@ def main() -> None:
     if args.start_chain:
         # SIGTERM (a `timeout` around us) stops the chain as Ctrl-C does, rather than leaving it to its own.
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-        chain = start_chain(args.chain_env, args.chain_log_dir, args.chain_timeout)
+        chain = start_chain(args.chain_env, args.chain_log_dir, args.chain_timeout, args.groups)
         args.base_url = chain.url
-        args.metrics_url = args.metrics_url or chain.metrics_urls["scheduler"]
+        args.metrics_url = args.metrics_url or ",".join(chain.metrics_urls[n] for n in chain.scheduler_names)
     levels = []
     try:
         for index, (concurrency, rate, num_requests) in enumerate(plan):

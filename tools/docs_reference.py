@@ -59,8 +59,11 @@ OUTSIDE_CONFIGS: dict[str, tuple[tuple[str, ...], str, str]] = {
     "STORMSERVE_HOST": ((MAKE_RUN,), "127.0.0.1", "the edge's listen address; the other services stay on 127.0.0.1"),
     "STORMSERVE_PORT": ((MAKE_RUN,), "8000", "the edge's port; the /metrics ports of the tokenizer, the scheduler "
                                              "and the workers follow it (+1, +2, +3 on)"),
-    "STORMSERVE_WORKERS": ((MAKE_RUN,), "1", "worker processes, on ports 50053 on; unless STORMSERVE_NUM_THREADS "
-                                             "is set, each gets its share of the cores"),
+    "STORMSERVE_WORKERS": ((MAKE_RUN,), "1", "worker processes per serving group, on ports 50053 on; unless "
+                                             "STORMSERVE_NUM_THREADS is set, each gets its share of the cores"),
+    "STORMSERVE_GROUPS": ((MAKE_RUN,), "1", "serving groups, a scheduler and its own workers each (the first "
+                                            "scheduler on 50052, the others after the workers' ports); the "
+                                            "tokenizer spreads requests over them"),
     "STORMSERVE_ENVOY": ((MAKE_RUN,), "", "1, true, yes or on: Envoy in front of the chain, configured by the envoy "
                                           "settings (listening on STORMSERVE_ENVOY_PORT); empty = none"),
 }

@@ -90,6 +90,10 @@ class Chain:
     tokenizer_port: int = 50051
     scheduler_port: int = 50052
     worker_ports: list[int] = field(default_factory=lambda: [50053])
+    # Serving groups beyond the first: each a scheduler on its port (the first group's is
+    # scheduler_port), the workers dealt to the groups in turn; the tokenizer spreads
+    # requests over them. Processes are then named scheduler<g> and worker<i>.
+    group_scheduler_ports: list[int] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     log_dir: Path | None = None  # None: children write to our stdout/stderr
     # The gRPC services' /metrics ports by process name (the edge serves its own on
@@ -147,19 +151,41 @@ class Chain:
             return ()
         return ("--num-threads", str(max(1, len(os.sched_getaffinity(0)) // len(self.worker_ports))))
 
+    @property
+    def scheduler_ports(self) -> list[int]:
+        """Every serving group's scheduler port, the first group's first."""
+        return [self.scheduler_port, *self.group_scheduler_ports]
+
+    @property
+    def scheduler_names(self) -> list[str]:
+        """The schedulers' process names, in group order."""
+        if not self.group_scheduler_ports:
+            return ["scheduler"]
+        return [f"scheduler{g}" for g in range(len(self.scheduler_ports))]
+
+    def group_workers(self, group: int) -> list[int]:
+        """The indexes of the workers of serving group `group`: dealt in turn."""
+        return list(range(group, len(self.worker_ports), len(self.scheduler_ports)))
+
     def start(self) -> None:
-        workers = [f"127.0.0.1:{p}" for p in self.worker_ports]
+        if len(self.worker_ports) < len(self.scheduler_ports):
+            raise ValueError(f"{len(self.scheduler_ports)} serving groups need at least as many workers, "
+                             f"got {len(self.worker_ports)}")
         # Internal services stay on loopback whatever STORMSERVE_HOST says (it is the edge's).
         internal = ("--host", "127.0.0.1")
         for i, port in enumerate(self.worker_ports):
             self._spawn(f"worker{i}", "services.worker", *internal, "--port", str(port),
                         *self._metrics_flag(f"worker{i}"), *self._threads_flag(), *self._health_flag(f"worker{i}"))
-        self._spawn("scheduler", "services.scheduler", *internal, "--port", str(self.scheduler_port),
-                    "--worker-addresses", ",".join(workers), *self._metrics_flag("scheduler"),
-                    *self._health_flag("scheduler"))
+        for group, (name, port) in enumerate(zip(self.scheduler_names, self.scheduler_ports)):
+            workers = [f"127.0.0.1:{self.worker_ports[i]}" for i in self.group_workers(group)]
+            self._spawn(name, "services.scheduler", *internal, "--port", str(port),
+                        "--worker-addresses", ",".join(workers), *self._metrics_flag(name),
+                        *self._health_flag(name))
+        schedulers = ",".join(f"127.0.0.1:{port}" for port in self.scheduler_ports)
         self._spawn("tokenizer", "services.tokenizer", *internal, "--port", str(self.tokenizer_port),
-                    "--scheduler-address", f"127.0.0.1:{self.scheduler_port}", *self._metrics_flag("tokenizer"),
-                    *self._health_flag("tokenizer"))
+                    *(("--scheduler-address", schedulers) if not self.group_scheduler_ports
+                      else ("--scheduler-addresses", schedulers)),
+                    *self._metrics_flag("tokenizer"), *self._health_flag("tokenizer"))
         self._spawn("http_edge", "services.http_edge", "--host", self.host, "--port", str(self.edge_port),
                     "--tokenizer-address", f"127.0.0.1:{self.tokenizer_port}")
         if self.envoy is not None:
@@ -345,13 +371,24 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=int(os.environ.get("STORMSERVE_PORT", "8000")),
                         help="edge port (env STORMSERVE_PORT)")
     parser.add_argument("--workers", type=int, default=int(os.environ.get("STORMSERVE_WORKERS", "1")),
-                        help="number of worker processes (env STORMSERVE_WORKERS)")
+                        help="number of worker processes per serving group (env STORMSERVE_WORKERS)")
+    parser.add_argument("--groups", type=int, default=int(os.environ.get("STORMSERVE_GROUPS", "1")),
+                        help="number of serving groups, a scheduler and its workers each (env STORMSERVE_GROUPS)")
     args = parser.parse_args()
-    # Metrics ports next to the edge's: tokenizer +1, scheduler +2, workers +3 on.
-    metrics_ports = {"tokenizer": args.port + 1, "scheduler": args.port + 2,
-                     **{f"worker{i}": args.port + 3 + i for i in range(args.workers)}}
-    chain = Chain(host=args.host, edge_port=args.port,
-                  worker_ports=[50053 + i for i in range(args.workers)], metrics_ports=metrics_ports,
+    if args.workers < 1 or args.groups < 1:
+        parser.error("--workers and --groups must be at least 1")
+    num_workers = args.workers * args.groups
+    # gRPC ports: the first scheduler 50052, workers 50053 on, the other schedulers after them.
+    # Metrics ports next to the edge's: tokenizer +1, scheduler +2, workers +3 on, the other
+    # schedulers after them.
+    worker_ports = [50053 + i for i in range(num_workers)]
+    group_ports = [50053 + num_workers + g for g in range(args.groups - 1)]
+    names = ["scheduler"] if args.groups == 1 else [f"scheduler{g}" for g in range(args.groups)]
+    metrics_ports = {"tokenizer": args.port + 1, names[0]: args.port + 2,
+                     **{f"worker{i}": args.port + 3 + i for i in range(num_workers)},
+                     **{name: args.port + 3 + num_workers + g for g, name in enumerate(names[1:])}}
+    chain = Chain(host=args.host, edge_port=args.port, worker_ports=worker_ports,
+                  group_scheduler_ports=group_ports, metrics_ports=metrics_ports,
                   envoy=envoy_in_front(os.environ))
     setup_logging("supervisor")
     supervising = False

@@ -18,6 +18,7 @@ import itertools
 
 import grpc
 
+from services.common.affinity import pick_bounded
 from services.common.errors import NO_WORKER_READY, ServiceError
 from services.scheduler.engine import EngineLoop
 from services.scheduler.sequence import Sequence
@@ -78,15 +79,12 @@ class Router:
         ready = self.ready_engines
         if not ready:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, NO_WORKER_READY)
-        lowest = min(e.load for e in ready)
-        candidates = [e for e in ready if e.load <= lowest + self.max_imbalance]
 
         def reusable(engine: EngineLoop) -> int:
             cached = engine.num_cached_prefix_tokens(seq)
             return cached if cached >= MIN_HIT_FRACTION * seq.num_prompt_tokens else 0
 
-        # min() keeps the first of equals: configuration order breaks ties.
-        return min(candidates, key=lambda e: (-reusable(e), e.load))
+        return pick_bounded(ready, lambda e: e.load, reusable, self.max_imbalance)
 
 
 def model_identity(info) -> tuple:

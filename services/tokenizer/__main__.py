@@ -16,8 +16,10 @@ from services.common.supervisor import exit_with_supervisor
 from services.common.tls import InternalTls
 from services.common.model_files import resolve_model
 from services.tokenizer.config import TokenizerConfig
+from services.tokenizer.groups import GroupPicker
 from services.tokenizer.key_gate import KeyGate, KeyMetrics
 from services.tokenizer.multimodal import ImageProcessor
+from services.tokenizer.scheduler_groups import SchedulerGroups, group_addresses
 from services.tokenizer.server import ChatServicer, SchedulerClient, TokenizerCore, TokenizerServicer
 from stormserve.chat.v1 import chat_pb2, chat_pb2_grpc
 from stormserve.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
@@ -46,8 +48,10 @@ async def main() -> None:
                          model_type=getattr(model_config, "model_type", "") or "", images=images)
     # Render processes start before the service says it is serving, not on the first requests.
     await asyncio.to_thread(core.prompts.warm_up)
-    scheduler_channel = channel(config.scheduler_address, tls)
-    scheduler = SchedulerClient(scheduler_channel)
+    addresses = group_addresses(config.scheduler_address, config.scheduler_addresses)
+    channels = {address: channel(address, tls) for address in addresses}
+    picker = GroupPicker(addresses, config.group_prefix_blocks, config.group_max_imbalance, config.group_policy)
+    scheduler = SchedulerGroups({a: SchedulerClient(c) for a, c in channels.items()}, channels, picker)
     service.add(chat_pb2_grpc.add_ChatServiceServicer_to_server, ChatServicer(core, scheduler, gate, service.drain),
                 chat_pb2.DESCRIPTOR.services_by_name["ChatService"])
     service.add(tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server, TokenizerServicer(core, gate),
@@ -58,23 +62,18 @@ async def main() -> None:
              core.max_input_tokens, core.prompts.max_chars, core.formats.tool_parser, core.formats.reasoning,
              "trusted" if config.trust_request_chat_template else "refused")
 
-    async def follow_scheduler() -> None:
-        # Ready only while the scheduler behind us is: health checks see the whole chain.
-        serving = None
-        while True:
-            now = await is_serving(scheduler_channel)
-            if now != serving:
-                serving = now
-                await service.set_serving(now)
-                log.info("serving: %s", now)
-            await asyncio.sleep(UPSTREAM_POLL_S)
+    async def on_serving(now: bool) -> None:
+        # Ready only while a scheduler behind us is: health checks see the whole chain.
+        await service.set_serving(now)
+        log.info("serving: %s", now)
 
-    follower = asyncio.create_task(follow_scheduler())
+    if len(addresses) > 1:
+        log.info("%d serving groups: %s (%s)", len(addresses), ", ".join(addresses), config.group_policy)
+    follower = asyncio.create_task(scheduler.follow(on_serving, UPSTREAM_POLL_S))
     # Its callers need no new RPC for a running call: new ones go to another replica.
     await service.serve_forever(stop_listening=True)
     follower.cancel()
     await scheduler.close()
-    await scheduler_channel.close()
     core.prompts.close()
 
 

@@ -10,6 +10,7 @@ from services.common.config import require, setting
 from services.common.drain import check_drain_timeout, drain_timeout_setting
 from services.common.tls import InternalTlsSettings, check_internal_tls, health_port_setting
 from services.common.model_files import DEFAULT_MODEL_NAME
+from services.tokenizer.groups import POLICIES
 from services.tokenizer.parsers import PARSERS, REASONING_PARSERS
 
 
@@ -20,7 +21,16 @@ class TokenizerConfig(ApiKeySettings, InternalTlsSettings):
     host: str = setting("127.0.0.1", "address to listen on")
     port: int = setting(50051, "gRPC port")
     metrics_port: int = setting(0, "HTTP port of the Prometheus /metrics endpoint (process metrics); 0 = off")
-    scheduler_address: str = setting("127.0.0.1:50052", "scheduler host:port")
+    scheduler_address: str = setting("127.0.0.1:50052", "scheduler host:port (when scheduler_addresses is empty)")
+    scheduler_addresses: tuple[str, ...] = setting(
+        (), "comma list of the schedulers (host:port) of several serving groups; each request goes to one, "
+        "picked by prefix affinity bounded by load; empty = scheduler_address alone")
+    group_prefix_blocks: int = setting(
+        32, "leading 16-token blocks of a prompt hashed for group affinity, [1, 4096]")
+    group_max_imbalance: int = setting(
+        4, "a group with more than this many in-flight requests over the least loaded gets none by affinity, "
+        "[0, 1000000]")
+    group_policy: str = setting("affinity", "how a group is picked: affinity (bounded by load) or random")
     model_path: str = setting("", "HF directory or .gguf file; empty = the bundled SmolLM2-135M-Instruct",
                               alias="modelWeightPath")
     model_name: str = setting(DEFAULT_MODEL_NAME, "name clients send in `model`", alias="modelName")
@@ -82,6 +92,10 @@ class TokenizerConfig(ApiKeySettings, InternalTlsSettings):
         require(all(c.isascii() and (c.isalnum() or c in "_.-") for c in self.model_name),
                 "modelName may contain only letters, digits, '_', '.' and '-'")
         require(self.max_seq_len >= 2, "maxSeqLen must be >= 2")
+        require(1 <= self.group_prefix_blocks <= 4096, "group_prefix_blocks must be in [1, 4096]")
+        require(0 <= self.group_max_imbalance <= 1_000_000, "group_max_imbalance must be in [0, 1000000]")
+        require(self.group_policy in POLICIES, f"group_policy must be one of {', '.join(POLICIES)}")
+        require(all(a.strip() for a in self.scheduler_addresses), "scheduler_addresses: an empty address")
         require(self.tool_call_parser in ("", *PARSERS), f"tool_call_parser must be one of {', '.join(PARSERS)}")
         require(self.reasoning_parser in ("", "none", *REASONING_PARSERS),
                 f"reasoning_parser must be none or one of {', '.join(REASONING_PARSERS)}")

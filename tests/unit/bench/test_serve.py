@@ -2,13 +2,17 @@
 HTTP client reading server-sent events however a server frames them."""
 from __future__ import annotations
 
+import argparse
 import asyncio
+import json
 
 import pytest
 from transformers import AutoTokenizer
 
 from bench.grounded import make_grounded_prompts
 from bench.serve import (
+    FOLLOW_UPS,
+    PREFIX_CACHE_COUNTERS,
     SCHEDULER_COUNTERS,
     HTTPStatusError,
     level_prompts,
@@ -16,6 +20,8 @@ from bench.serve import (
     percentiles,
     plot,
     post_events,
+    prefix_cache_figures,
+    run_level,
     speculation_figures,
 )
 from services.common.model_files import default_model_path, resolve_model
@@ -122,3 +128,41 @@ def test_speculation_figures_from_counter_deltas():
     assert figures["acceptance_rate"] == 30 / 40
     assert figures["tokens_per_draft"] == 1 + 30 / 10
     assert figures["tokens_per_step"] == 100 / 50
+
+
+def test_turns_send_the_conversation_so_far():
+    """--turns: each next turn sends the last one's messages, its answer and a follow-up."""
+    answer = b'data: {"choices": [{"index": 0, "delta": {"content": "ok"}}]}\n\ndata: [DONE]\n\n'
+    bodies: list[dict] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(next(line for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+                     .split(b":")[1])
+        bodies.append(json.loads(await reader.readexactly(length)))
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\n" + answer)
+        await writer.drain()
+        writer.close()
+
+    async def scenario() -> dict:
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        async with server:
+            args = argparse.Namespace(base_url=f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}",
+                                      model="m", output_len=4, ignore_eos=False, timeout=30, seed=0, turns=3,
+                                      metrics_url="")
+            return await run_level(args, "warm", ["first"], concurrency=1, rate=None)
+
+    level = asyncio.run(scenario())
+    assert level["requests"] == 3 and level["num_errors"] == 0 and level["turns"] == 3
+    turns = [b["messages"] for b in bodies[1:]]  # after the warm-up
+    assert turns[0] == [{"role": "user", "content": "first"}]
+    assert turns[1] == [*turns[0], {"role": "assistant", "content": "ok"},
+                        {"role": "user", "content": FOLLOW_UPS[0]}]
+    assert turns[2][:len(turns[1])] == turns[1] and turns[2][-1] == {"role": "user", "content": FOLLOW_UPS[1]}
+
+
+def test_prefix_cache_figures_from_counter_deltas():
+    before = dict.fromkeys(PREFIX_CACHE_COUNTERS, 100.0)
+    after = dict(zip(PREFIX_CACHE_COUNTERS, (500.0, 300.0)))
+    assert prefix_cache_figures(before, after) == {"queried_tokens": 400, "hit_tokens": 200, "hit_rate": 0.5}
+    assert prefix_cache_figures(before, before)["hit_rate"] == 0.0

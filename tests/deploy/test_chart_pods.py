@@ -137,16 +137,19 @@ def test_the_scheduler_may_only_read_endpointslices(value_set):
     if static:
         assert not of_kind(objects, "Role") and not of_kind(objects, "RoleBinding")
         return
-    (role,) = of_kind(objects, "Role")
-    assert role["rules"] == [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
-                              "verbs": ["get", "list", "watch"]}]
-    (binding,) = of_kind(objects, "RoleBinding")
-    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
-                                  "name": role["metadata"]["name"]}
-    scheduler = named(objects, "Deployment", component("scheduler"))["spec"]["template"]["spec"]
-    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": scheduler["serviceAccountName"],
-                                    "namespace": NAMESPACE}]
-    assert "namespace" not in role["metadata"]  # the release's namespace, given at install
+    schedulers = [d for d in of_kind(objects, "Deployment")
+                  if d["metadata"]["labels"]["app.kubernetes.io/component"] == "scheduler"]
+    roles, bindings = of_kind(objects, "Role"), of_kind(objects, "RoleBinding")
+    assert len(roles) == len(bindings) == len(schedulers)  # one scheduler per serving group
+    for role, binding in zip(roles, bindings):
+        assert role["rules"] == [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+                                  "verbs": ["get", "list", "watch"]}]
+        assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                      "name": role["metadata"]["name"]}
+        scheduler = named(objects, "Deployment", role["metadata"]["name"])["spec"]["template"]["spec"]
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": scheduler["serviceAccountName"],
+                                        "namespace": NAMESPACE}]
+        assert "namespace" not in role["metadata"]  # the release's namespace, given at install
 
 
 @pytest.mark.parametrize("value_set", VALUE_SETS)
@@ -154,7 +157,15 @@ def test_the_scheduler_discovers_the_worker_service(value_set):
     objects = rendered(value_set)
     if of_kind(objects, "LeaderWorkerSet"):
         return  # test_a_worker_that_spans_pods_is_a_leaderworkerset
-    (workers,) = of_kind(objects, "StatefulSet")
+    # One scheduler and one worker set per serving group, in group order; the checks pair them.
+    schedulers = [c for _, c, m in containers(objects) if m == "scheduler"]
+    worker_sets = of_kind(objects, "StatefulSet")
+    assert len(schedulers) == len(worker_sets)
+    for scheduler, workers in zip(schedulers, worker_sets):
+        _check_discovery(objects, scheduler, workers)
+
+
+def _check_discovery(objects, scheduler, workers) -> None:
     service = named(objects, "Service", workers["spec"]["serviceName"])
     pod_labels = workers["spec"]["template"]["metadata"]["labels"]
     assert service["spec"]["clusterIP"] == "None"
@@ -164,7 +175,6 @@ def test_the_scheduler_discovers_the_worker_service(value_set):
     (port,) = service["spec"]["ports"]
     worker_ports = {p["name"]: p["containerPort"] for p in workers["spec"]["template"]["spec"]["containers"][0]["ports"]}
     assert worker_ports[port["targetPort"]] == port["port"]
-    scheduler = next(c for _, c, m in containers(objects) if m == "scheduler")
     env = container_env(objects, scheduler)
     if env["STORMSERVE_WORKER_DISCOVERY"] == "endpointslices":
         # EndpointSlices carry kubernetes.io/service-name=<Service name>: the one the scheduler watches.
@@ -175,8 +185,9 @@ def test_the_scheduler_discovers_the_worker_service(value_set):
         assert "STORMSERVE_WORKER_ADDRESSES" not in env
     else:
         addresses = load_config(SchedulerConfig, [], env).worker_addresses
-        assert len(addresses) == workers["spec"]["replicas"] == 3
-        assert addresses[2] == f"{component('worker')}-2.{component('worker')}.{NAMESPACE}.svc:50053"
+        name, last = workers["metadata"]["name"], workers["spec"]["replicas"] - 1
+        assert len(addresses) == workers["spec"]["replicas"]
+        assert addresses[-1] == f"{name}-{last}.{name}.{NAMESPACE}.svc:50053"
         assert service["spec"]["publishNotReadyAddresses"] is True
 
 

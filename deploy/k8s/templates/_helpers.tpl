@@ -16,9 +16,14 @@
 {{- end -}}
 {{- end -}}
 
-{{/* The name of one component's objects: <fullname>-<component> (50 + 10 characters leave room for pod suffixes). */}}
+{{/* The name of one component's objects: <fullname>-<component> (50 + 10 characters leave room for pod suffixes);
+with a "group" (scheduler.groups > 1), <fullname>-<component>-<group>. */}}
 {{- define "stormserve.component" -}}
+{{- if hasKey . "group" -}}
+{{- printf "%s-%s-%d" (include "stormserve.fullname" .root) .component (int .group) -}}
+{{- else -}}
 {{- printf "%s-%s" (include "stormserve.fullname" .root) .component -}}
+{{- end -}}
 {{- end -}}
 
 {{- define "stormserve.chart" -}}
@@ -39,11 +44,20 @@ app.kubernetes.io/part-of: stormserve
 app.kubernetes.io/name: {{ include "stormserve.name" .root }}
 app.kubernetes.io/instance: {{ .root.Release.Name }}
 app.kubernetes.io/component: {{ .component }}
+{{- include "stormserve.groupLabel" . }}
 {{- end -}}
 
 {{- define "stormserve.componentLabels" -}}
 {{ include "stormserve.labels" .root }}
 app.kubernetes.io/component: {{ .component }}
+{{- include "stormserve.groupLabel" . }}
+{{- end -}}
+
+{{/* The serving group of a scheduler or worker, when scheduler.groups > 1. */}}
+{{- define "stormserve.groupLabel" -}}
+{{- if hasKey . "group" }}
+stormserve.io/group: {{ .group | quote }}
+{{- end -}}
 {{- end -}}
 
 {{- define "stormserve.image" -}}
@@ -59,6 +73,15 @@ app.kubernetes.io/component: {{ .component }}
 {{/* host:port of a component's Service, e.g. the tokenizer for the edge. */}}
 {{- define "stormserve.address" -}}
 {{- printf "%s:%d" (include "stormserve.component" .) (index .root.Values.ports .component | int) -}}
+{{- end -}}
+
+{{/* host:port of every serving group's scheduler Service, comma-separated (scheduler.groups > 1). */}}
+{{- define "stormserve.schedulerAddresses" -}}
+{{- $addresses := list -}}
+{{- range $g := until (int .Values.scheduler.groups) -}}
+{{- $addresses = append $addresses (include "stormserve.address" (dict "root" $ "component" "scheduler" "group" (toString $g))) -}}
+{{- end -}}
+{{- join "," $addresses -}}
 {{- end -}}
 
 {{/* The headless Service through which Envoy reaches each pod of a component (edge, tokenizer). */}}
@@ -322,13 +345,14 @@ where every container reads it, and what the gRPC services add. */}}
 {{/* Static worker list: <sts>-<i>.<headless service>.<namespace>.svc:<port>, one per replica
 (with worker.nodes > 1, the leader pods <lws>-<i> under the LeaderWorkerSet's own headless Service). */}}
 {{- define "stormserve.staticWorkers" -}}
-{{- $name := include "stormserve.component" (dict "root" . "component" "worker") -}}
-{{- if gt (int .Values.worker.nodes) 1 -}}
+{{- $root := .root -}}
+{{- $name := include "stormserve.component" . -}}
+{{- if gt (int $root.Values.worker.nodes) 1 -}}
 {{- $name = include "stormserve.workerGroupsName" . -}}
 {{- end -}}
 {{- $addresses := list -}}
-{{- range $i := until (int .Values.worker.replicas) -}}
-{{- $addresses = append $addresses (printf "%s-%d.%s.%s.svc:%d" $name $i $name $.Release.Namespace (int $.Values.ports.worker)) -}}
+{{- range $i := until (int $root.Values.worker.replicas) -}}
+{{- $addresses = append $addresses (printf "%s-%d.%s.%s.svc:%d" $name $i $name $root.Release.Namespace (int $root.Values.ports.worker)) -}}
 {{- end -}}
 {{- join "," $addresses -}}
 {{- end -}}

@@ -116,12 +116,12 @@ LWS_LEADER_ADDRESS names, which followers reach before the leader is ready). */}
 {{- define "stormserve.workerGroups" -}}
 {{- $root := .root -}}
 {{- $w := $root.Values.worker -}}
-{{- $follower := dict "root" $root "component" "worker" "module" "worker.follower" "container" "stormserve.followerContainer" }}
-{{- $leader := dict "root" $root "component" "worker" "module" "worker" "container" "stormserve.workerContainer" }}
+{{- $follower := merge (dict "module" "worker.follower" "container" "stormserve.followerContainer") (omit . "module" "container") }}
+{{- $leader := merge (dict "module" "worker" "container" "stormserve.workerContainer") (omit . "module" "container") }}
 apiVersion: leaderworkerset.x-k8s.io/v1
 kind: LeaderWorkerSet
 metadata:
-  name: {{ include "stormserve.workerGroupsName" $root }}
+  name: {{ include "stormserve.workerGroupsName" . }}
   labels:
     {{- include "stormserve.componentLabels" . | nindent 4 }}
 spec:
@@ -145,7 +145,7 @@ spec:
         {{- include "stormserve.workerPodSpec" $follower | nindent 8 }}
 {{- end -}}
 
-{{/* The LeaderWorkerSet's name (and its own headless Service's). */}}
+{{/* The LeaderWorkerSet's name (and its own headless Service's); call with the worker context. */}}
 {{- define "stormserve.workerGroupsName" -}}
-{{- printf "%s-lws" (include "stormserve.component" (dict "root" . "component" "worker")) | trunc 50 | trimSuffix "-" -}}
+{{- printf "%s-lws" (include "stormserve.component" .) | trunc 50 | trimSuffix "-" -}}
 {{- end -}}

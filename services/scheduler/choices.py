@@ -84,6 +84,11 @@ class Choices:
 
         Call with no items after sequences ended without a token (abort): their
         choices then end too."""
+        if len(self.seqs) == 1:  # most requests: one choice, whatever the items hold
+            seq = self.seqs[0]
+            self._pending[seq.seq_id] += [event for _, event in items]
+            update = self._take(seq, seq.index)
+            return [] if update is None else [update]
         for seq, event in items:
             self._pending[seq.seq_id].append(event)
         if self.is_selecting:

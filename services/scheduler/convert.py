@@ -176,20 +176,17 @@ def _image_spans(request: scheduler_pb2.GenerateRequest, num_prompt_tokens: int)
 def to_response(update: ChoiceUpdate, choices: Choices) -> scheduler_pb2.GenerateResponse:
     seq = update.seq
     report = choices.report_logprobs  # else logprobs were only computed to rank siblings
-    reply = scheduler_pb2.GenerateResponse(
-        index=update.index,
-        tokens=[
-            scheduler_pb2.GeneratedToken(
-                token_id=e.token_id,
-                logprob=e.logprob if report else None,
-                top_logprobs=[scheduler_pb2.TokenAlternative(token_id=t, logprob=lp) for t, lp in e.top_logprobs],
-                batch_size=e.batch_size,
-                queue_wait_us=e.queue_wait_us,
-                latency_ms=e.latency_ms,
-            )
-            for e in update.events
-        ],
-    )
+    reply = scheduler_pb2.GenerateResponse(index=update.index)
+    add = reply.tokens.add  # in place: a GeneratedToken built apart is copied in
+    for e in update.events:
+        token = add(token_id=e.token_id, batch_size=e.batch_size, queue_wait_us=e.queue_wait_us,
+                    latency_ms=e.latency_ms)
+        if report and e.logprob is not None:
+            token.logprob = e.logprob
+        if e.top_logprobs:
+            add_alternative = token.top_logprobs.add
+            for t, lp in e.top_logprobs:
+                add_alternative(token_id=t, logprob=lp)
     if update.is_first:
         reply.prompt_tokens = seq.num_prompt_tokens
         reply.cached_tokens = seq.num_cached_tokens

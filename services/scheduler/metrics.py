@@ -27,6 +27,7 @@ are our sibling sequences counted, each with its prompt.
 from __future__ import annotations
 
 import itertools
+from bisect import bisect_left
 from collections.abc import Iterable, Sequence as Seq
 from typing import TYPE_CHECKING
 
@@ -166,6 +167,7 @@ class EngineMetrics:
             self.step_batch_size.observe(prefills + decodes)
         prompt = 0
         previous = None
+        itls, queue_waits = [], []
         for seq, event in events:
             if seq is previous:
                 continue  # forced tokens (a spent thinking budget) come with the sampled one: not a new latency
@@ -176,8 +178,10 @@ class EngineMetrics:
                 prompt += seq.num_prompt_tokens
                 self.ttft.observe((finished_us - seq.arrival_us) * US)
             else:
-                self.itl.observe(event.latency_ms * 1e-3)
-            self.token_queue_wait.observe(event.queue_wait_us * US)
+                itls.append(event.latency_ms * 1e-3)
+            queue_waits.append(event.queue_wait_us * US)
+        observe_many(self.itl, itls)
+        observe_many(self.token_queue_wait, queue_waits)
         if prompt:
             self.prompt_tokens.inc(prompt)
         if events:
@@ -200,6 +204,23 @@ class EngineMetrics:
         self.tpot.observe((last - first) * US / (generated - 1) if first and generated > 1 else 0.0)
         self.request_prompt_tokens.observe(seq.num_prompt_tokens)
         self.request_generation_tokens.observe(generated)
+
+
+def observe_many(histogram: Histogram, amounts: list[float]) -> None:
+    """`histogram.observe(amount)` for each amount (a labelled histogram's, no
+    exemplars), with one increment per bucket touched and one of the sum: a step
+    observes a latency and a queue wait per token, and each `observe` takes
+    locks and walks the buckets (prometheus_client 0.26's internals, pinned)."""
+    if not amounts:
+        return
+    bounds, buckets = histogram._upper_bounds, histogram._buckets
+    counts: dict[int, int] = {}
+    for amount in amounts:
+        index = bisect_left(bounds, amount)  # the first bound >= amount, as observe() finds it
+        counts[index] = counts.get(index, 0) + 1
+    for index, count in counts.items():
+        buckets[index].inc(count)
+    histogram._sum.inc(sum(amounts))
 
 
 class _StateCollector(Collector):

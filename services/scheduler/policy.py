@@ -61,6 +61,7 @@ class BatchPolicy(BeamSteps):
                  speculator: Speculator | None = None):
         self.capacity = capacity
         self.speculator = speculator or Speculator(SpeculationConfig())
+        self._is_speculating = self.speculator.is_on
         self.max_batch_size = min(max_batch_size, capacity.max_batch_size)
         self.max_prefill_tokens = max_prefill_tokens
         self.blocks = BlockManager(capacity.num_kv_blocks, capacity.block_size)
@@ -69,6 +70,7 @@ class BatchPolicy(BeamSteps):
         self.num_preemptions = 0
         self.num_cached_tokens = 0  # prefix-cache hits, in tokens, over all admissions
         self.num_queried_tokens = 0  # tokens looked up in the prefix cache, over all admissions
+        self._num_fork_pending = 0  # siblings waiting for their leader's prompt (the leaders' `forks`)
         self._to_release: list[int] = []
         # Block copies for the next step, by the seq id of the beam whose block is written.
         self._copies: dict[int, tuple[int, int]] = {}
@@ -105,6 +107,7 @@ class BatchPolicy(BeamSteps):
         leader, *siblings = seqs
         if siblings and not leader.sampling.has_penalties:
             leader.forks = siblings
+            self._num_fork_pending += len(siblings)
             for sibling in siblings:
                 sibling.status, sibling.fork_of = SequenceStatus.FORK_PENDING, leader
             self.waiting.append(leader)
@@ -132,7 +135,9 @@ class BatchPolicy(BeamSteps):
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.unfinished_sequences())
+        """len(unfinished_sequences()), counted without building it: every placement
+        and every new request reads it for every worker."""
+        return len(self.running) + len(self.waiting) + self._num_fork_pending
 
     def unfinished_sequences(self) -> list[Sequence]:
         """Running, waiting and fork-pending sequences."""
@@ -149,12 +154,12 @@ class BatchPolicy(BeamSteps):
         May be called once while the last planned step runs (see the module doc)."""
         assert len(self._outstanding) <= 1, "plan at most one step ahead of the worker"
         batch: list[ScheduledSequence] = []
-        has_preempted = self._schedule_decodes(batch)
+        has_preempted, prefilling = self._schedule_decodes(batch)
         budget = self.max_prefill_tokens
-        for seq in list(self.running):  # prompts part-way done continue first
+        for seq in prefilling:  # prompts part-way done continue first
             position = self._position(seq)
             if seq.status is not SequenceStatus.RUNNING or position is None or position[1] - position[0] <= 1:
-                continue
+                continue  # preempted while decodes took blocks
             if budget == 0 or len(batch) >= self.max_batch_size:
                 break
             chunk = self._grow_chunk(seq, budget)
@@ -197,29 +202,34 @@ class BatchPolicy(BeamSteps):
         events = []
         searches: list[BeamSearch] = []  # beam searches whose every beam has offered
         self._outstanding.pop(plan.step_id, None)
+        planned, batch_size, block_size = self._planned, len(plan.scheduled), self.blocks.block_size
+        finished = SequenceStatus.FINISHED
         for entry in plan.scheduled:
             seq = entry.seq
-            if self._planned.get(seq.seq_id) is entry:
-                del self._planned[seq.seq_id]
-            if seq.is_finished or entry.epoch != seq.epoch:  # ended or preempted after planning
+            seq_id = seq.seq_id
+            if planned.get(seq_id) is entry:
+                del planned[seq_id]
+            if seq.status is finished or entry.epoch != seq.epoch:  # ended or preempted after planning
                 continue
             if entry.draft_token_ids:
-                events += self._take_verified(entry, sampled[seq.seq_id], plan, started_us, finished_us)
+                events += self._take_verified(entry, sampled[seq_id], plan, started_us, finished_us)
                 continue
-            seq.num_computed_tokens = entry.num_computed_tokens + entry.num_new_tokens
-            self.blocks.commit(seq)
+            seq.num_computed_tokens = computed = entry.num_computed_tokens + entry.num_new_tokens
+            if computed // block_size > len(seq.block_hashes):  # a block filled up: into the prefix cache
+                self.blocks.commit(seq)
             if not entry.is_sampling:
                 continue
             if seq.forks:  # its prompt KV is complete: the siblings start from it
                 self._fork(seq)
-            token = sampled[seq.seq_id]
+            token = sampled[seq_id]
+            last_event_us = seq.last_event_us
             event = TokenEvent(
-                token_id=token.token_id,
-                batch_size=plan.batch_size,
-                queue_wait_us=max(0, started_us - seq.last_event_us),
-                latency_ms=max(0, finished_us - seq.last_event_us) / 1000.0,
-                logprob=token.logprob,
-                top_logprobs=list(token.top_logprobs),
+                token.token_id,
+                batch_size,
+                started_us - last_event_us if started_us > last_event_us else 0,
+                (finished_us - last_event_us if finished_us > last_event_us else 0) / 1000.0,
+                token.logprob,
+                list(token.top_logprobs) if token.top_logprobs else [],
             )
             seq.last_event_us = finished_us
             if seq.beam is not None:
@@ -233,10 +243,10 @@ class BatchPolicy(BeamSteps):
                 seq.cumulative_logprob += token.logprob
             self._check_finished(seq, token.token_id)
             events.append((seq, event))
-            if not seq.is_finished:
+            if seq.stopping.thinking_budget is not None and seq.status is not finished:
                 for forced in self._spend_thinking_budget(seq):
                     # Appended, not sampled: computed with the next step like a prompt chunk.
-                    events.append((seq, TokenEvent(forced, plan.batch_size, 0, 0.0)))
+                    events.append((seq, TokenEvent(forced, batch_size, 0, 0.0)))
         for search in searches:
             if search.is_ready:  # a beam may have been preempted to make room for another search's fork
                 events += self._advance_beams(search)
@@ -304,6 +314,7 @@ class BatchPolicy(BeamSteps):
             assert seq.fork_of is not None
             seq.fork_of.forks.remove(seq)
             seq.fork_of = None
+            self._num_fork_pending -= 1
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         else:
@@ -357,6 +368,7 @@ class BatchPolicy(BeamSteps):
             sibling.first_scheduled_us = sibling.first_scheduled_us or time.time_ns() // 1000
             sibling.status, sibling.fork_of = SequenceStatus.RUNNING, None
             self.running.append(sibling)
+        self._num_fork_pending -= len(leader.forks)
         leader.forks = []
 
     def _orphan_forks(self, leader: Sequence) -> None:
@@ -364,6 +376,7 @@ class BatchPolicy(BeamSteps):
         first pending sibling takes over as the leader at the head of the queue."""
         heir, *rest = leader.forks
         leader.forks = []
+        self._num_fork_pending -= 1  # the heir queues
         heir.status, heir.fork_of, heir.forks = SequenceStatus.WAITING, None, rest
         for sibling in rest:
             sibling.fork_of = heir
@@ -386,8 +399,8 @@ class BatchPolicy(BeamSteps):
             return computed, seq.num_tokens
         budget = seq.stopping.thinking_budget
         if (seq.beam is not None or (budget is not None and not seq.is_thinking_done)
-                or len(seq.output_token_ids) + 1 >= seq.stopping.max_tokens
-                or entry.draft_token_ids or self.speculator.wants_draft(seq, self._num_drafting_load)):
+                or len(seq.output_token_ids) + 1 >= seq.stopping.max_tokens or entry.draft_token_ids
+                or (self._is_speculating and self.speculator.wants_draft(seq, self._num_drafting_load))):
             return None
         return computed, seq.num_tokens + 1  # the token in flight
 
@@ -407,30 +420,43 @@ class BatchPolicy(BeamSteps):
         seq.is_sent_to_worker = True
         return entry
 
-    def _schedule_decodes(self, batch: list[ScheduledSequence]) -> bool:
-        """Add a one-token step for every decoding sequence; returns whether any was preempted."""
+    def _schedule_decodes(self, batch: list[ScheduledSequence]) -> tuple[bool, list[Sequence]]:
+        """Add a one-token step for every decoding sequence; returns whether any was
+        preempted, and the running sequences part-way through their prompt (in
+        admission order, up to where the batch filled: past it none would fit)."""
         has_preempted = False
+        prefilling: list[Sequence] = []
         draft_budget = self.speculator.draft_budget(self._num_drafting_load)
+        block_size = self.blocks.block_size
         for seq in list(self.running):
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
             position = self._position(seq)
-            if seq.status is not SequenceStatus.RUNNING or position is None or position[1] - position[0] != 1:
+            if position is None:
+                continue
+            computed, total = position
+            if total - computed != 1:
+                if total - computed > 1:
+                    prefilling.append(seq)
                 continue
             if len(batch) >= self.max_batch_size:
                 break
-            computed, total = position
-            while not self.blocks.can_grow(seq, total):
-                victim = self.running[-1]  # the newest: it has the least work to lose
-                self.preempt(victim)
-                has_preempted = True
-                if victim is seq:
-                    break
-            if seq.status is SequenceStatus.RUNNING:
+            if total > len(seq.block_table) * block_size:  # else its last block has room: nothing to take
+                while not self.blocks.can_grow(seq, total):
+                    victim = self.running[-1]  # the newest: it has the least work to lose
+                    self.preempt(victim)
+                    has_preempted = True
+                    if victim is seq:
+                        break
+                if seq.status is not SequenceStatus.RUNNING:
+                    continue
                 self.blocks.grow(seq, total)
-                draft = self._draft(seq, total, draft_budget)
+            draft = self._draft(seq, total, draft_budget) if draft_budget > 0 else ()
+            if draft:
                 draft_budget -= len(draft)
                 self.blocks.grow(seq, total + len(draft))
-                batch.append(self._schedule_entry(seq, computed, 1 + len(draft), draft))
-        return has_preempted
+            batch.append(self._schedule_entry(seq, computed, 1 + len(draft), draft))
+        return has_preempted, prefilling
 
     @property
     def _num_drafting_load(self) -> int:

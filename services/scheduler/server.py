@@ -62,9 +62,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         try:
             while not choices.is_done:
                 # Coalesce whatever is pending into one message per choice when the reader is behind.
-                items = [await stream.get()]
-                while not stream.empty():
-                    items.append(stream.get_nowait())
+                items = await stream.take_all()
                 failure = next((i for i in items if isinstance(i, SequenceFailed)), None)
                 if failure is not None:
                     failed = True

@@ -67,7 +67,9 @@ class WorkerClient:
         if self._steps is None:
             self._steps = self._stub.StepStream()
         try:
-            await self._steps.write(worker_pb2.StepStreamRequest(step=step_request(plan)))
+            request = worker_pb2.StepStreamRequest()
+            step_request(plan, request.step)  # built in place: no copy of every sequence into the wrapper
+            await self._steps.write(request)
         except grpc.aio.AioRpcError as exc:
             raise self._lost(exc) from exc
         except (grpc.aio.UsageError, asyncio.InvalidStateError) as exc:  # the stream had already ended
@@ -112,19 +114,26 @@ class WorkerClient:
         await self._channel.close()
 
 
-def step_request(plan: StepPlan) -> worker_pb2.StepRequest:
-    """The one Step message for a planned step."""
-    return worker_pb2.StepRequest(
-        step_id=plan.step_id,
-        sequences=[_sequence_step(entry) for entry in plan.scheduled],
-        release_seq_ids=plan.release_seq_ids,
-        block_copies=[worker_pb2.BlockCopy(src_block=s, dst_block=d) for s, d in plan.block_copies],
-    )
+def step_request(plan: StepPlan, into: worker_pb2.StepRequest | None = None) -> worker_pb2.StepRequest:
+    """The one Step message for a planned step (filled into `into`, an empty one, if given).
+
+    Each sequence's part is added in place (`add`): a SequenceStep built apart
+    and passed in a list is copied into the request, which costs as much again."""
+    step = worker_pb2.StepRequest() if into is None else into
+    step.step_id = plan.step_id
+    add = step.sequences.add
+    for entry in plan.scheduled:
+        _sequence_step(entry, add)
+    if plan.release_seq_ids:
+        step.release_seq_ids.extend(plan.release_seq_ids)
+    for src, dst in plan.block_copies:
+        step.block_copies.add(src_block=src, dst_block=dst)
+    return step
 
 
-def _sequence_step(entry: ScheduledSequence) -> worker_pb2.SequenceStep:
+def _sequence_step(entry: ScheduledSequence, add) -> worker_pb2.SequenceStep:
     seq = entry.seq
-    step = worker_pb2.SequenceStep(
+    step = add(
         seq_id=seq.seq_id,
         token_ids=entry.token_ids,
         num_computed_tokens=entry.num_computed_tokens,
@@ -164,14 +173,15 @@ def _sequence_step(entry: ScheduledSequence) -> worker_pb2.SequenceStep:
 
 def sampled_tokens(reply: worker_pb2.StepResponse) -> dict[int, SampledToken]:
     """A Step reply's tokens by seq id."""
-    return {
-        t.seq_id: SampledToken(
-            seq_id=t.seq_id,
-            token_id=t.token_id,
-            logprob=t.logprob if t.HasField("logprob") else None,
-            top_logprobs=tuple((a.token_id, a.logprob) for a in t.top_logprobs),
-            num_accepted_draft_tokens=t.num_accepted_draft_tokens,
-            draft_token_ids=tuple(t.draft_token_ids),
+    tokens = {}
+    for t in reply.tokens:
+        top, drafts = t.top_logprobs, t.draft_token_ids
+        tokens[t.seq_id] = SampledToken(
+            t.seq_id,
+            t.token_id,
+            t.logprob if t.HasField("logprob") else None,
+            tuple((a.token_id, a.logprob) for a in top) if top else (),
+            t.num_accepted_draft_tokens,
+            tuple(drafts) if drafts else (),
         )
-        for t in reply.tokens
-    }
+    return tokens

@@ -330,3 +330,33 @@ def test_a_discovered_worker_takes_the_engine_label_of_one_that_left():
     labels, exported = asyncio.run(scenario())
     assert labels == {"10.0.0.1:50053": "0", "10.0.0.2:50053": "1", "10.0.0.3:50053": "2"}
     assert exported == {"0", "1", "2"}
+
+
+def test_observing_many_at_once_counts_as_observing_each():
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from services.scheduler.metrics import observe_many
+
+    amounts = [0.0, 0.0005, 0.001, 0.0011, 0.3, 7.0, 1e9, 0.001, 0.02]
+    samples = []
+    for many in (False, True):
+        registry = CollectorRegistry()
+        histogram = Histogram("latency", "seconds", ["engine"], buckets=(0.001, 0.01, 0.1, 1.0), registry=registry)
+        child = histogram.labels("0")
+        if many:
+            observe_many(child, amounts[:4])
+            observe_many(child, [])
+            observe_many(child, amounts[4:])
+        else:
+            for amount in amounts:
+                child.observe(amount)
+        found = {}
+        for family in text_string_to_metric_families(generate_latest(registry).decode()):
+            for sample in family.samples:
+                if not sample.name.endswith("_created"):
+                    found[(sample.name, sample.labels.get("le"))] = sample.value
+        samples.append(found)
+    observed, at_once = samples
+    assert at_once.pop(("latency_sum", None)) == pytest.approx(observed.pop(("latency_sum", None)))
+    assert at_once == observed
+    assert observed[("latency_bucket", "0.001")] == 4 and observed[("latency_count", None)] == 9

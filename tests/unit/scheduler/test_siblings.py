@@ -172,3 +172,45 @@ def test_no_block_leaks_with_sibling_groups_under_any_mix_of_events():
         run_to_end(policy, worker)
         assert_no_leak(policy)
         assert all(seq.is_finished for seq in live), trial
+
+
+def test_the_unfinished_count_follows_forks_aborts_preemptions_and_a_lost_worker():
+    """num_unfinished is kept as a count (every placement reads it for every
+    worker): it must equal the sequences unfinished_sequences() lists, siblings
+    pending on their leader included, whatever happens to leaders and siblings."""
+    rng = random.Random(37)
+    for trial in range(30):
+        policy = make_policy(num_blocks=rng.randint(8, 24), max_batch_size=rng.randint(1, 6),
+                             max_prefill_tokens=rng.randint(2, 16))
+        worker = FakeWorker(policy=policy)
+        live: list[Sequence] = []
+        next_id = 1
+
+        def check() -> None:
+            assert policy.num_unfinished == len(policy.unfinished_sequences()), trial
+
+        for _ in range(rng.randint(10, 40)):
+            if rng.random() < 0.4:
+                group = make_group(next_id, rng.randint(1, 4), prompt_len=rng.randint(1, 12),
+                                   max_tokens=rng.randint(1, 6))
+                next_id += len(group)
+                try:
+                    policy.add_group(group)
+                    live += group
+                except ValueError:
+                    pass
+                check()
+            if live and rng.random() < 0.25:  # a leader, a pending sibling, a running one
+                policy.finish(rng.choice(live), FinishReason.ABORT)
+                check()
+            if rng.random() < 0.03:  # the worker was lost
+                for seq in policy.unfinished_sequences():
+                    policy.finish(seq, FinishReason.ABORT)
+                policy.forget_worker_state()
+                worker.computed.clear()
+                check()
+            run_step(policy, worker)
+            check()
+        run_to_end(policy, worker)
+        check()
+        assert policy.num_unfinished == 0

@@ -1,0 +1,51 @@
+"""What the policy and the worker client exchange: a planned sequence's input
+tokens, the Step message built in place, and the sampled tokens read back."""
+from __future__ import annotations
+
+from services.scheduler.plan import SampledToken, ScheduledSequence, StepPlan
+from services.scheduler.worker_client import sampled_tokens, step_request
+from stormserve.worker.v1 import worker_pb2
+from tests.unit.scheduler.test_policy import make_seq
+
+
+def test_token_ids_are_the_window_of_prompt_and_outputs_with_the_draft_after():
+    seq = make_seq(1, prompt_len=5)
+    seq.output_token_ids = [50, 51, 52]
+    every = seq.all_token_ids
+    for start in range(len(every)):
+        for num_known in range(1, len(every) - start + 1):
+            for draft in ((), (7, 8)):
+                entry = ScheduledSequence(seq, start, num_known + len(draft), draft_token_ids=draft)
+                assert entry.token_ids == every[start : start + num_known] + list(draft)
+    assert ScheduledSequence(seq, 8, 1, feeds_last_sampled=True, is_sampling=True).token_ids == []
+
+
+def test_step_request_is_the_same_message_built_in_place_or_apart():
+    first, second = make_seq(1), make_seq(2, prompt_len=9)
+    first.block_table, second.block_table = [3], [4, 5, 6]
+    plan = StepPlan(9, [ScheduledSequence(first, 0, 5, is_sampling=True, sends_sampling=True),
+                        ScheduledSequence(second, 4, 5, is_sampling=True)], [7, 8], [(1, 2)])
+    wrapper = worker_pb2.StepStreamRequest()
+    step_request(plan, wrapper.step)
+    apart = step_request(plan)
+    assert wrapper.step == apart
+    assert [s.seq_id for s in apart.sequences] == [1, 2]
+    assert list(apart.sequences[1].block_table) == [4, 5, 6]
+    assert list(apart.sequences[1].token_ids) == list(range(14, 19))
+    assert apart.sequences[0].HasField("sampling") and not apart.sequences[1].HasField("sampling")
+    assert list(apart.release_seq_ids) == [7, 8]
+    assert [(c.src_block, c.dst_block) for c in apart.block_copies] == [(1, 2)]
+
+
+def test_sampled_tokens_read_every_field_and_leave_the_defaults_unset():
+    reply = worker_pb2.StepResponse(tokens=[
+        worker_pb2.SampledToken(seq_id=1, token_id=5),
+        worker_pb2.SampledToken(seq_id=2, token_id=0, logprob=-0.5, num_accepted_draft_tokens=2,
+                                top_logprobs=[worker_pb2.TokenAlternative(token_id=0, logprob=-0.5)],
+                                draft_token_ids=[9, 10]),
+    ])
+    assert sampled_tokens(reply) == {
+        1: SampledToken(1, 5),
+        2: SampledToken(2, 0, -0.5, ((0, -0.5),), 2, (9, 10)),
+    }
+    assert sampled_tokens(reply)[1].logprob is None

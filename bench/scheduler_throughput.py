@@ -266,7 +266,7 @@ async def run_point(point: Point, args, tree: Path = ROOT, profile: str | None =
             load = await stub.GetLoad(scheduler_pb2.GetLoadRequest(), timeout=5)
             return load.num_running >= caller.num_calls
 
-        await wait_for(all_running, 60, "running sequences", process)
+        await wait_for(all_running, args.admit_timeout_s, "running sequences", process)
         await asyncio.sleep(args.warmup_s)
         scheduler, bench = psutil.Process(process.pid), psutil.Process()
         windows = []
@@ -309,7 +309,7 @@ async def run_point(point: Point, args, tree: Path = ROOT, profile: str | None =
 
 COLUMNS = (("tree", "tree"), ("workers", "W"), ("sequences_per_worker", "S"), ("steps_per_s", "steps/s"),
            ("tokens_per_s", "tokens/s"), ("scheduler_cpu_us_per_step", "sched CPU µs/step"),
-           ("scheduler_cpu_pct", "sched CPU %"), ("bench_cpu_pct", "bench CPU %"))
+           ("scheduler_cpu_pct", "sched CPU %"), ("bench_cpu_pct", "bench CPU %"), ("error", "error"))
 
 
 def table(rows: list[dict]) -> str:
@@ -328,10 +328,13 @@ def ab_summary(rows: list[dict], trees: list[str]) -> str:
              "|---|---|---|---|---|---|---|"]
     points = sorted({(r["workers"], r["sequences_per_worker"]) for r in rows})
     for workers, seqs in points:
-        at = [r for r in rows if (r["workers"], r["sequences_per_worker"]) == (workers, seqs)]
+        at = [r for r in rows if (r["workers"], r["sequences_per_worker"]) == (workers, seqs) and "error" not in r]
         base = {r["round"]: r for r in at if r["tree"] == trees[0]}
         for tree in trees:
-            mine = [r for r in at if r["tree"] == tree]
+            mine = [r for r in at if r["tree"] == tree and r["round"] in base]
+            if not mine:
+                lines.append(f"| {workers} | {seqs} | {tree} | failed | | | |")
+                continue
             steps = statistics.median(r["steps_per_s"] for r in mine)
             cpu = statistics.median(r["scheduler_cpu_us_per_step"] for r in mine)
             steps_ratio = statistics.median(r["steps_per_s"] / base[r["round"]]["steps_per_s"] for r in mine)
@@ -356,6 +359,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seconds", type=float, default=1.0, help="length of one measured window")
     p.add_argument("--repeats", type=int, default=3, help="measured windows per point (their median is reported)")
     p.add_argument("--warmup-s", type=float, default=0.5, help="seconds after every call is running, not measured")
+    p.add_argument("--admit-timeout-s", type=float, default=120.0,
+                   help="a point whose calls are not all running by then is reported as failed")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=2048, help="each call's; an ended call starts again")
     p.add_argument("--block-size", type=int, default=128, help="the simulated workers' KV block size (tokens)")
@@ -379,7 +384,11 @@ async def run(args: argparse.Namespace) -> list[dict]:
         for point in points:
             order = trees if round_index % 2 == 0 else trees[::-1]
             for name, path in order:
-                row = {"tree": name, "round": round_index, **await run_point(point, args, path, args.profile)}
+                row = {"tree": name, "round": round_index}
+                try:
+                    row.update(await run_point(point, args, path, args.profile))
+                except (TimeoutError, RuntimeError) as exc:  # reported; the other points still run
+                    row.update(workers=point.num_workers, sequences_per_worker=point.num_sequences, error=str(exc))
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     return rows

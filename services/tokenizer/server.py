@@ -6,6 +6,7 @@ import logging
 import time
 import uuid
 from functools import partial
+from typing import TYPE_CHECKING
 
 import grpc
 from opentelemetry import trace
@@ -32,6 +33,9 @@ from services.tokenizer.tool_grammar import tool_choice_grammar
 from stormserve.chat.v1 import chat_pb2, chat_pb2_grpc
 from stormserve.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from stormserve.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+
+if TYPE_CHECKING:
+    from services.tokenizer.scheduler_groups import SchedulerGroups
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +150,7 @@ class SchedulerClient:
 
 
 class ChatServicer(chat_pb2_grpc.ChatServiceServicer):
-    def __init__(self, core: TokenizerCore, scheduler: SchedulerClient, gate: KeyGate | None = None,
+    def __init__(self, core: TokenizerCore, scheduler: SchedulerClient | SchedulerGroups, gate: KeyGate | None = None,
                  drain: Drain | None = None):
         self.core = core
         self.scheduler = scheduler

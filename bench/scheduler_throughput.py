@@ -8,7 +8,7 @@ step at once, fed through its own gRPC API as the tokenizer feeds it.
   one SampledToken per sequence that samples, in request order, its step_id
   echoed. Nothing is computed; the answer's bytes are cached per set of
   sequences, so a worker's cost per step is parsing the request.
-- The requests come on one GenerateStream, as the tokenizer sends them: W x S
+- The requests come on GenerateStreams (one per 256 calls, at most 16), as tokenizers send them: W x S
   calls with `--prompt-len` random tokens, `ignore_eos` and `--max-tokens`;
   a call that ends is started again at once, so every worker keeps S sequences.
 - The scheduler is found as it finds workers locally: the static
@@ -140,8 +140,9 @@ class SimulatedWorkers:
 class Caller:
     """Keeps `num_calls` Generate calls running on one GenerateStream, as the tokenizer would."""
 
-    def __init__(self, stub, num_calls: int, prompt_len: int, max_tokens: int, seed: int = 0):
+    def __init__(self, stub, num_calls: int, prompt_len: int, max_tokens: int, seed: int = 0, name: str = "bench"):
         self.stub = stub
+        self.name = name
         self.num_calls = num_calls
         self.prompt_len = prompt_len
         self.max_tokens = max_tokens
@@ -157,7 +158,7 @@ class Caller:
     def _start_one(self) -> None:
         call_id = next(self._ids)
         request = scheduler_pb2.GenerateRequest(
-            request_id=f"bench-{call_id}",
+            request_id=f"{self.name}-{call_id}",
             prompt_token_ids=[self.rng.randrange(3, VOCAB_SIZE) for _ in range(self.prompt_len)],
             sampling=scheduler_pb2.SamplingParams(temperature=0.0),
             stopping=scheduler_pb2.StoppingCriteria(max_tokens=self.max_tokens, ignore_eos=True))
@@ -253,18 +254,24 @@ async def run_point(point: Point, args, tree: Path = ROOT, profile: str | None =
     process = start_scheduler(tree, scheduler_env(tree, port, workers.addresses, point, args), profile)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
-    caller = Caller(stub, point.num_workers * point.num_sequences, args.prompt_len, args.max_tokens)
+    # Several streams, as several tokenizers would send: a busy scheduler reads one
+    # start message per stream at a time, so one stream admits thousands of calls slowly.
+    num_calls = point.num_workers * point.num_sequences
+    num_streams = max(1, min(args.max_streams, num_calls // args.calls_per_stream))
+    callers = [Caller(stub, num_calls // num_streams + (i < num_calls % num_streams), args.prompt_len,
+                      args.max_tokens, seed=i, name=f"bench{i}") for i in range(num_streams)]
     try:
         async def all_ready() -> bool:
             load = await stub.GetLoad(scheduler_pb2.GetLoadRequest(), timeout=2)
             return load.num_workers_ready == point.num_workers
 
         await wait_for(all_ready, 60, "ready workers", process)
-        caller.start()
+        for caller in callers:
+            caller.start()
 
         async def all_running() -> bool:
             load = await stub.GetLoad(scheduler_pb2.GetLoadRequest(), timeout=5)
-            return load.num_running >= caller.num_calls
+            return load.num_running >= num_calls
 
         await wait_for(all_running, args.admit_timeout_s, "running sequences", process)
         await asyncio.sleep(args.warmup_s)
@@ -272,10 +279,10 @@ async def run_point(point: Point, args, tree: Path = ROOT, profile: str | None =
         windows = []
         for _ in range(args.repeats):
             before = (time.monotonic(), (await stub.GetLoad(scheduler_pb2.GetLoadRequest())).num_steps,
-                      caller.num_tokens, cpu_seconds(scheduler), cpu_seconds(bench))
+                      sum(c.num_tokens for c in callers), cpu_seconds(scheduler), cpu_seconds(bench))
             await asyncio.sleep(args.seconds)
             after = (time.monotonic(), (await stub.GetLoad(scheduler_pb2.GetLoadRequest())).num_steps,
-                     caller.num_tokens, cpu_seconds(scheduler), cpu_seconds(bench))
+                     sum(c.num_tokens for c in callers), cpu_seconds(scheduler), cpu_seconds(bench))
             wall, steps, tokens, scheduler_cpu, bench_cpu = (a - b for a, b in zip(after, before))
             windows.append({
                 "steps_per_s": steps / wall,
@@ -284,10 +291,12 @@ async def run_point(point: Point, args, tree: Path = ROOT, profile: str | None =
                 "scheduler_cpu_pct": 100 * scheduler_cpu / wall,
                 "bench_cpu_pct": 100 * bench_cpu / wall,
             })
-        if caller.errors:
-            raise RuntimeError(f"calls failed: {caller.errors}")
+        errors = [e for c in callers for e in c.errors]
+        if errors:
+            raise RuntimeError(f"calls failed: {errors[:10]}")
     finally:
-        await caller.stop()
+        for caller in callers:
+            await caller.stop()
         await channel.close()
         if process.poll() is None:
             process.send_signal(signal.SIGTERM)
@@ -297,7 +306,7 @@ async def run_point(point: Point, args, tree: Path = ROOT, profile: str | None =
                 process.kill()
                 process.wait()
         await workers.stop()
-    result = {"workers": point.num_workers, "sequences_per_worker": point.num_sequences}
+    result = {"workers": point.num_workers, "sequences_per_worker": point.num_sequences, "streams": num_streams}
     for key in windows[0]:
         values = sorted(w[key] for w in windows)
         result[key] = round(statistics.median(values), 1)
@@ -361,6 +370,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup-s", type=float, default=0.5, help="seconds after every call is running, not measured")
     p.add_argument("--admit-timeout-s", type=float, default=120.0,
                    help="a point whose calls are not all running by then is reported as failed")
+    p.add_argument("--calls-per-stream", type=int, default=256,
+                   help="GenerateStreams opened: one per this many calls (as many tokenizers), at most --max-streams")
+    p.add_argument("--max-streams", type=int, default=16)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=2048, help="each call's; an ended call starts again")
     p.add_argument("--block-size", type=int, default=128, help="the simulated workers' KV block size (tokens)")

@@ -19,66 +19,13 @@ An endpoint seen first while not ready is not started: it joins when ready.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable
 
+from services.common.kube import Endpoint, merge_slices  # noqa: F401 - merge_slices: the scheduler's too
 from services.scheduler.engine import EngineLoop
 from services.scheduler.router import Router
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Endpoint:
-    key: str  # the pod's UID, or the address when the endpoint names no pod
-    address: str  # host:port of the worker's gRPC port
-    ready: bool
-    terminating: bool
-
-    @property
-    def draining(self) -> bool:
-        return self.terminating or not self.ready
-
-
-def merge_slices(slices: Iterable[dict], port: str = "") -> dict[str, Endpoint]:
-    """The endpoints of all `slices` (EndpointSlice JSON objects) by key.
-
-    `port` picks the worker port in each slice: a number, a port name, or ""
-    for the slice's first port. A slice without that port is skipped; so are
-    FQDN slices. An endpoint in several slices (while one moves) counts as
-    ready if any of them says so."""
-    merged: dict[str, Endpoint] = {}
-    for item in slices:
-        if item.get("addressType", "IPv4") not in ("IPv4", "IPv6"):
-            continue
-        number = _slice_port(item, port)
-        if number is None:
-            continue
-        for ep in item.get("endpoints") or []:
-            addresses = ep.get("addresses") or []
-            if not addresses:
-                continue
-            host = addresses[0]
-            address = f"[{host}]:{number}" if ":" in host else f"{host}:{number}"
-            uid = (ep.get("targetRef") or {}).get("uid")
-            conditions = ep.get("conditions") or {}
-            # The API: an unset `ready` is unknown and should be read as ready; unset `terminating` is false.
-            found = Endpoint(key=uid or address, address=address,
-                             ready=conditions.get("ready") is not False,
-                             terminating=conditions.get("terminating") is True)
-            known = merged.get(found.key)
-            if known is None or (known.draining and not found.draining):
-                merged[found.key] = found
-    return merged
-
-
-def _slice_port(item: dict, wanted: str) -> int | None:
-    ports = [p for p in item.get("ports") or [] if p.get("port")]
-    if wanted.isdigit():
-        return int(wanted)
-    if not wanted:
-        return ports[0]["port"] if ports else None
-    return next((p["port"] for p in ports if p.get("name") == wanted), None)
 
 
 class WorkerPool:

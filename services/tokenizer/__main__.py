@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
 from transformers import AutoConfig, AutoTokenizer
 
 from services.common.api_keys import KeyStore
 from services.common.config import load_config
-from services.common.grpc_server import GrpcService, channel, is_serving
+from services.common.grpc_server import GrpcService, channel
+from services.common.kube import EndpointSliceWatcher, KubeApi, KubeConfigError
 from services.common import tracing
 from services.common.log import setup_logging
 from services.common.media_parts import has_vision_tower
@@ -48,10 +50,28 @@ async def main() -> None:
                          model_type=getattr(model_config, "model_type", "") or "", images=images)
     # Render processes start before the service says it is serving, not on the first requests.
     await asyncio.to_thread(core.prompts.warm_up)
-    addresses = group_addresses(config.scheduler_address, config.scheduler_addresses)
-    channels = {address: channel(address, tls) for address in addresses}
-    picker = GroupPicker(addresses, config.group_prefix_blocks, config.group_max_imbalance, config.group_policy)
-    scheduler = SchedulerGroups({a: SchedulerClient(c) for a, c in channels.items()}, channels, picker)
+
+    def connect(address: str) -> tuple[SchedulerClient, grpc.aio.Channel]:
+        chan = channel(address, tls)
+        return SchedulerClient(chan), chan
+
+    watcher = None
+    if config.scheduler_discovery == "endpointslices":
+        addresses = []  # from the first list of the slices on
+        try:
+            api = KubeApi.from_environment(config.scheduler_namespace)
+        except KubeConfigError as exc:
+            raise SystemExit(f"scheduler_discovery=endpointslices: {exc}") from None
+    else:
+        addresses = group_addresses(config.scheduler_address, config.scheduler_addresses)
+    picker = GroupPicker((), config.group_prefix_blocks, config.group_max_imbalance, config.group_policy)
+    scheduler = SchedulerGroups({}, {}, picker)
+    scheduler.set_groups(addresses, connect)
+    if config.scheduler_discovery == "endpointslices":
+        async def on_slices(slices) -> None:
+            scheduler.apply_slices(slices, config.scheduler_port, connect)
+
+        watcher = asyncio.create_task(EndpointSliceWatcher(api, config.scheduler_service, on_slices).run())
     service.add(chat_pb2_grpc.add_ChatServiceServicer_to_server, ChatServicer(core, scheduler, gate, service.drain),
                 chat_pb2.DESCRIPTOR.services_by_name["ChatService"])
     service.add(tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server, TokenizerServicer(core, gate),
@@ -69,10 +89,14 @@ async def main() -> None:
 
     if len(addresses) > 1:
         log.info("%d serving groups: %s (%s)", len(addresses), ", ".join(addresses), config.group_policy)
+    elif watcher is not None:
+        log.info("serving groups: the schedulers of Service %s (%s)", config.scheduler_service, config.group_policy)
     follower = asyncio.create_task(scheduler.follow(on_serving, UPSTREAM_POLL_S))
     # Its callers need no new RPC for a running call: new ones go to another replica.
     await service.serve_forever(stop_listening=True)
     follower.cancel()
+    if watcher is not None:
+        watcher.cancel()
     await scheduler.close()
     core.prompts.close()
 

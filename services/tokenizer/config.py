@@ -25,6 +25,14 @@ class TokenizerConfig(ApiKeySettings, InternalTlsSettings):
     scheduler_addresses: tuple[str, ...] = setting(
         (), "comma list of the schedulers (host:port) of several serving groups; each request goes to one, "
         "picked by prefix affinity bounded by load; empty = scheduler_address alone")
+    scheduler_discovery: str = setting(
+        "static", "how the schedulers are found: static (scheduler_addresses, else scheduler_address) or "
+        "endpointslices (the ready endpoints of scheduler_service's EndpointSlices, watched through the "
+        "Kubernetes API: a group per scheduler pod)")
+    scheduler_service: str = setting("", "the schedulers' Service whose EndpointSlices are watched "
+                                         "(scheduler_discovery=endpointslices)")
+    scheduler_namespace: str = setting("", "its namespace; empty = this pod's")
+    scheduler_port: str = setting("grpc", "the schedulers' port in the slices: a name or a number")
     group_prefix_blocks: int = setting(
         32, "leading 16-token blocks of a prompt hashed for group affinity, [1, 4096]")
     group_max_imbalance: int = setting(
@@ -96,6 +104,10 @@ class TokenizerConfig(ApiKeySettings, InternalTlsSettings):
         require(0 <= self.group_max_imbalance <= 1_000_000, "group_max_imbalance must be in [0, 1000000]")
         require(self.group_policy in POLICIES, f"group_policy must be one of {', '.join(POLICIES)}")
         require(all(a.strip() for a in self.scheduler_addresses), "scheduler_addresses: an empty address")
+        require(self.scheduler_discovery in ("static", "endpointslices"),
+                "scheduler_discovery must be static or endpointslices")
+        require(self.scheduler_discovery == "static" or bool(self.scheduler_service),
+                "scheduler_discovery=endpointslices needs scheduler_service")
         require(self.tool_call_parser in ("", *PARSERS), f"tool_call_parser must be one of {', '.join(PARSERS)}")
         require(self.reasoning_parser in ("", "none", *REASONING_PARSERS),
                 f"reasoning_parser must be none or one of {', '.join(REASONING_PARSERS)}")

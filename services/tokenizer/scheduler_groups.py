@@ -3,17 +3,22 @@ SchedulerClient each, a GroupPicker choosing per request (groups.py).
 
 A group whose scheduler goes away fails only the calls it has in flight (with
 the same error as a lone scheduler lost), and is passed over from then on,
-until its health answers SERVING again (`follow`).
+until its health answers SERVING again (`follow`). The groups are a fixed list
+(scheduler_addresses), or the ready endpoints of the schedulers' Service
+(scheduler_discovery=endpointslices, `apply_slices`): a group that leaves it
+gets nothing new, its running calls go on, and its channel closes after them.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 
 import grpc
 
+from services.common.errors import ServiceError
 from services.common.grpc_server import is_serving
+from services.common.kube import Slices, merge_slices
 from services.common.multiplex import MultiplexedCall
 from services.tokenizer.groups import GroupPicker
 from stormserve.scheduler.v1 import scheduler_pb2
@@ -59,15 +64,51 @@ class SchedulerGroups:
         for name in self.clients:
             self.picker.add(name)
         self._group_of: dict[str, str] = {}  # request_id -> group, while in flight
+        self._calls: dict[str, int] = {}  # running calls by group
+        self._retired: list[tuple[str, object, grpc.aio.Channel | None]] = []  # left, calls still running
+
+    def set_groups(self, addresses: Iterable[str],
+                   connect: Callable[[str], tuple[object, grpc.aio.Channel]]) -> None:
+        """The groups are now these schedulers: new ones are connected (`connect(address)`
+        gives its client and channel), gone ones retired."""
+        wanted = list(dict.fromkeys(addresses))
+        for name in [n for n in self.clients if n not in wanted]:
+            log.info("scheduler %s left: new requests go to the other groups", name)
+            self.picker.remove(name)
+            self._retired.append((name, self.clients.pop(name), self.channels.pop(name, None)))
+        for name in wanted:
+            if name not in self.clients:
+                log.info("scheduler %s joined", name)
+                self.clients[name], self.channels[name] = connect(name)
+                self.picker.add(name)
+        self._close_idle_retired()
+
+    def apply_slices(self, slices: Slices, port: str,
+                     connect: Callable[[str], tuple[object, grpc.aio.Channel]]) -> None:
+        """The ready, not terminating endpoints of the schedulers' EndpointSlices are the groups."""
+        endpoints = merge_slices(slices.values(), port)
+        self.set_groups(sorted(e.address for e in endpoints.values() if not e.draining), connect)
+
+    def _close_idle_retired(self) -> None:
+        for entry in [e for e in self._retired if not self._calls.get(e[0])]:
+            self._retired.remove(entry)
+            asyncio.get_running_loop().create_task(_close(*entry[1:]))
 
     def generate(self, request: scheduler_pb2.GenerateRequest) -> GroupCall:
-        name = self.picker.pick(request.prompt_token_ids)
+        try:
+            name = self.picker.pick(request.prompt_token_ids)
+        except LookupError:  # discovery has listed no scheduler yet, or none is left
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, "no scheduler is ready") from None
         self._group_of[request.request_id] = name
+        self._calls[name] = self._calls.get(name, 0) + 1
 
         def on_end() -> None:
             self.picker.finish(name)
+            self._calls[name] -= 1
             if self._group_of.get(request.request_id) == name:
                 del self._group_of[request.request_id]
+            if self._retired:
+                self._close_idle_retired()
 
         def on_unavailable() -> None:
             if self.picker.is_serving(name) and len(self.clients) > 1:
@@ -86,8 +127,9 @@ class SchedulerGroups:
         whenever that changes."""
         serving = None
         while True:
-            states = await asyncio.gather(*(probe(self.channels[name]) for name in self.channels))
-            for name, state in zip(self.channels, states):
+            channels = list(self.channels.items())
+            states = await asyncio.gather(*(probe(chan) for _, chan in channels))
+            for (name, _), state in zip(channels, states):
                 if state != self.picker.is_serving(name) and len(self.channels) > 1:
                     log.info("scheduler %s serving: %s", name, state)
                 self.picker.set_serving(name, state)
@@ -102,6 +144,14 @@ class SchedulerGroups:
             await client.close()
         for chan in self.channels.values():
             await chan.close()
+        for _, client, chan in self._retired:
+            await _close(client, chan)
+
+
+async def _close(client, chan: grpc.aio.Channel | None) -> None:
+    await client.close()
+    if chan is not None:
+        await chan.close()
 
 
 def group_addresses(scheduler_address: str, scheduler_addresses: Sequence[str]) -> list[str]:

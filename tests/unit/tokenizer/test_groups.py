@@ -236,3 +236,68 @@ def test_follow_tracks_each_groups_health():
 
     asyncio.run(scenario())
     assert seen == [True, False]
+
+
+class Closable:
+    def __init__(self):
+        self.closed = False
+
+    async def close(self):
+        self.closed = True
+
+
+def test_groups_follow_the_schedulers_endpointslices():
+    """scheduler_discovery=endpointslices: the real watcher against a fake API server;
+    ready endpoints join, a terminating one gets nothing new and its channel closes
+    once its running call ends."""
+    from services.common.kube import EndpointSliceWatcher, KubeApi
+    from tests.fake_kube import FakeKube, endpoint_slice, slice_endpoint
+
+    kube = FakeKube(bookmark_interval_s=1.0).start()
+    connected: dict[str, tuple[FakeClient, Closable]] = {}
+
+    def connect(address):
+        connected[address] = (FakeClient(), Closable())
+        return connected[address]
+
+    def slices(*endpoints):
+        return endpoint_slice("schedulers-a", "schedulers", list(endpoints), port=50052, namespace="llm")
+
+    async def until(condition):
+        for _ in range(500):
+            if condition():
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("timed out waiting for the slices")
+
+    async def scenario():
+        groups = SchedulerGroups({})
+        with pytest.raises(Exception, match="no scheduler is ready"):
+            generate(groups, "r0", 1)
+        watcher = EndpointSliceWatcher(KubeApi(kube.url, "llm"), "schedulers",
+                                       lambda found: _apply(groups, found, connect))
+        task = asyncio.create_task(watcher.run())
+        kube.put_slice("llm", slices(slice_endpoint("10.0.0.1", uid="s1"), slice_endpoint("10.0.0.2", uid="s2"),
+                                     slice_endpoint("10.0.0.3", uid="s3", ready=False)))
+        await until(lambda: groups.picker.groups == ["10.0.0.1:50052", "10.0.0.2:50052"])
+        running = generate(groups, "r1", 1)  # on 10.0.0.1, the first of equals
+        kube.put_slice("llm", slices(slice_endpoint("10.0.0.1", uid="s1", ready=False, terminating=True),
+                                     slice_endpoint("10.0.0.2", uid="s2")))
+        await until(lambda: groups.picker.groups == ["10.0.0.2:50052"])
+        assert not connected["10.0.0.1:50052"][1].closed  # its call still runs
+        for i in range(3):
+            call = generate(groups, f"n{i}", 1)
+            call.cancel()
+        assert [len(connected[a][0].requests) for a in ("10.0.0.1:50052", "10.0.0.2:50052")] == [1, 3]
+        running.cancel()
+        await until(lambda: connected["10.0.0.1:50052"][1].closed)
+        task.cancel()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        kube.stop()
+
+
+async def _apply(groups, found, connect):
+    groups.apply_slices(found, "grpc", connect)

@@ -168,7 +168,8 @@ class Chain:
         return list(range(group, len(self.worker_ports), len(self.scheduler_ports)))
 
     def start(self) -> None:
-        if len(self.worker_ports) < len(self.scheduler_ports):
+        # (One scheduler may start with no worker: it finds them through Kubernetes.)
+        if self.group_scheduler_ports and len(self.worker_ports) < len(self.scheduler_ports):
             raise ValueError(f"{len(self.scheduler_ports)} serving groups need at least as many workers, "
                              f"got {len(self.worker_ports)}")
         # Internal services stay on loopback whatever STORMSERVE_HOST says (it is the edge's).

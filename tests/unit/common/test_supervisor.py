@@ -262,3 +262,31 @@ def test_workers_on_one_host_share_its_cores_unless_the_operator_says(monkeypatc
     monkeypatch.setenv("STORMSERVE_NUM_THREADS", "3")
     assert all("--num-threads" not in args
                for args in _worker_commands(Chain(worker_ports=[1, 2], metrics=False), monkeypatch))
+
+
+def _flag(args: tuple[str, ...], name: str) -> str:
+    return args[args.index(name) + 1]
+
+
+def test_serving_groups_each_get_a_scheduler_and_their_own_workers(monkeypatch):
+    spawned = {}
+    chain = Chain(scheduler_port=10, group_scheduler_ports=[11], worker_ports=[1, 2, 3, 4], metrics=False)
+    monkeypatch.setattr(chain, "_spawn", lambda name, module, *args: spawned.setdefault(name, (module, *args)))
+    chain.start()
+    assert chain.scheduler_names == ["scheduler0", "scheduler1"]
+    assert _flag(spawned["scheduler0"], "--port") == "10"
+    assert _flag(spawned["scheduler0"], "--worker-addresses") == "127.0.0.1:1,127.0.0.1:3"
+    assert _flag(spawned["scheduler1"], "--worker-addresses") == "127.0.0.1:2,127.0.0.1:4"
+    assert _flag(spawned["tokenizer"], "--scheduler-addresses") == "127.0.0.1:10,127.0.0.1:11"
+    with pytest.raises(ValueError, match="at least as many workers"):
+        Chain(group_scheduler_ports=[11], worker_ports=[1], metrics=False).start()
+
+
+def test_one_group_is_started_as_before(monkeypatch):
+    spawned = {}
+    chain = Chain(scheduler_port=10, worker_ports=[1, 2], metrics=False)
+    monkeypatch.setattr(chain, "_spawn", lambda name, module, *args: spawned.setdefault(name, (module, *args)))
+    chain.start()
+    assert chain.scheduler_names == ["scheduler"] and "scheduler0" not in spawned
+    assert _flag(spawned["scheduler"], "--worker-addresses") == "127.0.0.1:1,127.0.0.1:2"
+    assert _flag(spawned["tokenizer"], "--scheduler-address") == "127.0.0.1:10"

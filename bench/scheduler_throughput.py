@@ -39,7 +39,6 @@ import json
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -51,6 +50,7 @@ import grpc
 import psutil
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from services.common.supervisor import free_port
 from stormserve.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from stormserve.worker.v1 import worker_pb2
 
@@ -59,12 +59,6 @@ TOKEN_ID = 1000  # what every simulated step samples (never an EOS)
 EOS_TOKEN_ID = 2
 VOCAB_SIZE = 32000
 WORKER_SERVICE = "stormserve.worker.v1.WorkerService"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _varint(n: int) -> bytes:

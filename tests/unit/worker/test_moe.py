@@ -4,10 +4,7 @@ same weights, read back from a save_pretrained directory through Checkpoint
 the CPU path; expert shards; which layers are MoE; bfloat16 against float32."""
 from __future__ import annotations
 
-import importlib
-import sys
 import types
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +16,6 @@ from services.worker.moe import ExpertShard, MoE, stacked_experts
 from services.worker.platforms.cpu import CpuPlatform, GroupedCpuExperts
 from services.worker.platforms.moe_ops import TorchExperts
 
-FAKE_NPU = Path(__file__).resolve().parents[2] / "fake_npu"
 CPU = torch.device("cpu")
 PREFIX = "model.layers.1.mlp."  # layer 0 is dense in every config here
 TINY = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
@@ -212,22 +208,6 @@ def test_cuda_grouped_mm_experts_on_cpu_tensors(shard):
     arguments = (gate_up[experts.start : experts.stop], down[experts.start : experts.stop], experts.start, 8)
     ours = GroupedMmExperts(*arguments)(x, weights, ids)
     assert_close(ours, TorchExperts(*arguments)(x, weights, ids), 1e-2)
-
-
-@pytest.fixture(scope="module")
-def npu_platform():
-    """tests/fake_npu's torch_npu (test_npu_platform.py's way). It stays imported
-    (its ops registered), and so does its torch.npu, set again where another
-    module's fixture removed it (the import sets it once per process): its
-    is_available() is False, so the platform is still never selected."""
-    sys.path.insert(0, str(FAKE_NPU))
-    try:
-        torch.npu = importlib.import_module("torch_npu").npu
-        from services.worker.platforms.npu import NpuPlatform
-
-        yield NpuPlatform(CPU)
-    finally:
-        sys.path.remove(str(FAKE_NPU))
 
 
 class OpSpy:

@@ -5,9 +5,6 @@ to the same kernel run eagerly on the same step."""
 from __future__ import annotations
 
 import gc
-import importlib
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,26 +14,9 @@ from services.worker.graphs import GraphBuffers
 from services.worker.kv_cache import KVCachePool, KVCacheSpec
 from services.worker.platforms.cpu import CpuPlatform
 
-FAKE_NPU = Path(__file__).resolve().parents[2] / "fake_npu"
 CPU = torch.device("cpu")
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 32, 128
 SCALE = HEAD_DIM ** -0.5
-
-
-@pytest.fixture(scope="module")
-def npu_platform():
-    """test_moe.py's way: the fake stays imported, and so does its torch.npu,
-    set again where another module's fixture removed it (the import sets it
-    once per process); its is_available() is False, so the platform is still
-    never selected."""
-    sys.path.insert(0, str(FAKE_NPU))
-    try:
-        torch.npu = importlib.import_module("torch_npu").npu
-        from services.worker.platforms.npu import NpuPlatform
-
-        yield NpuPlatform(CPU)
-    finally:
-        sys.path.remove(str(FAKE_NPU))
 
 
 def _attend(npu, query, cache, block_table, ends, kv_lens):

@@ -6,10 +6,8 @@ the bundled model gives the CPU platform's logits through them. What it does
 not: anything about the real kernels (never run here)."""
 from __future__ import annotations
 
-import importlib
 import sys
 import types
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,25 +19,7 @@ from tests.moe_models import FAMILIES, reference_model
 from tests.unit.worker.block_tables import BlockTables
 from tests.unit.worker.paged_oracle import assert_matches_sdpa
 
-FAKE_NPU = Path(__file__).resolve().parents[2] / "fake_npu"
 CPU = torch.device("cpu")
-
-
-@pytest.fixture(scope="module")
-def npu_platform():
-    """The fake stays imported after (its ops stay registered with torch's
-    dispatcher), but torch.npu goes: npu_available() is False again. It is
-    set here too, where an earlier module imported the fake (the import sets
-    it once per process)."""
-    sys.path.insert(0, str(FAKE_NPU))
-    try:
-        torch.npu = importlib.import_module("torch_npu").npu
-        from services.worker.platforms.npu import NpuPlatform
-
-        yield NpuPlatform(CPU)  # the NPU code path, its tensors on the CPU
-    finally:
-        sys.path.remove(str(FAKE_NPU))
-        del torch.npu
 
 
 def test_without_torch_npu_npu_is_refused_and_auto_is_cpu(monkeypatch):

@@ -2,7 +2,10 @@
 a small HTTP server for a gRPC service's `/metrics`.
 
 Every process has one registry of its own (no multiprocess mode: one process
-per service), so no `pid` label and no multiprocess files to go stale.
+per service), so no `pid` label and no multiprocess files to go stale. The
+registry of a process in a serving group (a scheduler, its workers) adds the
+group's name to every sample it exposes, as the `group` label: one value per
+process, added at scrape time, so nothing is looked up when a series moves.
 
 The bucket boundaries are vLLM's (vllm/v1/metrics/loggers.py), so that its
 dashboards' `histogram_quantile` queries read ours unchanged."""
@@ -10,6 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+
+from collections.abc import Iterable
+from typing import Any
 
 from prometheus_client import (
     CollectorRegistry,
@@ -20,6 +26,9 @@ from prometheus_client import (
     start_http_server,
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics_core import Metric
+
+from services.common.config import require, setting
 
 log = logging.getLogger(__name__)
 
@@ -47,10 +56,46 @@ def build_1_2_5_buckets(max_value: int) -> list[int]:
         exponent += 1
 
 
-def process_registry() -> CollectorRegistry:
+GROUP_LABEL = "group"
+DEFAULT_GROUP = "0"  # one serving group: the chart's and `make run`'s name for it
+
+
+def serving_group_setting() -> Any:
+    """The `serving_group` setting of a process that belongs to a serving group."""
+    return setting(DEFAULT_GROUP, "name of the serving group this process belongs to (a scheduler and its "
+                                  "workers): the `group` label of every metric it exports; the chart and "
+                                  "`make run` set each group's index")
+
+
+def check_serving_group(group: str) -> None:
+    require(bool(group.strip()), "serving_group must not be empty")
+
+
+class GroupRegistry(CollectorRegistry):
+    """A registry whose every sample carries `group="<group>"` beside its own labels
+    (a collector's own `group` label wins). The label is added when the registry is
+    collected (a scrape), so the metrics' children and their hot-path updates are
+    those of a plain registry."""
+
+    def __init__(self, group: str):
+        super().__init__()
+        self.group = group
+
+    def collect(self) -> Iterable[Metric]:
+        extra = {GROUP_LABEL: self.group}
+        for family in super().collect():
+            # A copy: a collector may hand out the same family object at every scrape.
+            labelled = Metric(family.name, family.documentation, family.type, family.unit)
+            labelled.samples = [s._replace(labels={**extra, **s.labels}) for s in family.samples]
+            yield labelled
+
+
+def process_registry(group: str | None = None) -> CollectorRegistry:
     """A registry of this process's own: CPU, memory, open files, GC (the `process_`
-    and `python_` series every Prometheus client exports)."""
-    registry = CollectorRegistry()
+    and `python_` series every Prometheus client exports). With a `group` (a process of
+    a serving group: a scheduler, a worker), every series it exposes carries it as
+    the `group` label."""
+    registry = CollectorRegistry() if group is None else GroupRegistry(group)
     ProcessCollector(registry=registry)
     PlatformCollector(registry=registry)
     GCCollector(registry=registry)

@@ -143,6 +143,11 @@ class Chain:
     def _health_flag(self, name: str) -> tuple[str, ...]:
         return ("--health-port", str(self.health_ports[name])) if name in self.health_ports else ()
 
+    def _group_flag(self, group: int) -> tuple[str, ...]:
+        """A scheduler's or worker's serving group (its metrics' `group` label): its index,
+        with several groups; one group keeps the setting's default (or the operator's)."""
+        return ("--serving-group", str(group)) if self.group_scheduler_ports else ()
+
     def _threads_flag(self) -> tuple[str, ...]:
         """Workers on one host share its cores: unless the operator set
         NUM_THREADS, each gets its part, or their thread teams (each as large as
@@ -176,12 +181,13 @@ class Chain:
         internal = ("--host", "127.0.0.1")
         for i, port in enumerate(self.worker_ports):
             self._spawn(f"worker{i}", "services.worker", *internal, "--port", str(port),
-                        *self._metrics_flag(f"worker{i}"), *self._threads_flag(), *self._health_flag(f"worker{i}"))
+                        *self._metrics_flag(f"worker{i}"), *self._threads_flag(), *self._health_flag(f"worker{i}"),
+                        *self._group_flag(i % len(self.scheduler_ports)))
         for group, (name, port) in enumerate(zip(self.scheduler_names, self.scheduler_ports)):
             workers = [f"127.0.0.1:{self.worker_ports[i]}" for i in self.group_workers(group)]
             self._spawn(name, "services.scheduler", *internal, "--port", str(port),
                         "--worker-addresses", ",".join(workers), *self._metrics_flag(name),
-                        *self._health_flag(name))
+                        *self._health_flag(name), *self._group_flag(group))
         schedulers = ",".join(f"127.0.0.1:{port}" for port in self.scheduler_ports)
         self._spawn("tokenizer", "services.tokenizer", *internal, "--port", str(self.tokenizer_port),
                     *(("--scheduler-address", schedulers) if not self.group_scheduler_ports

@@ -33,7 +33,8 @@ async def main() -> None:
     # router's list of engines, which discovery changes in place.
     router = Router([])
     tls = InternalTls.of(config)
-    metrics = SchedulerMetrics(config.model_name, config.max_seq_len, router.engines) if config.metrics_port else None
+    metrics = (SchedulerMetrics(config.model_name, config.max_seq_len, router.engines, config.serving_group)
+               if config.metrics_port else None)
 
     def make_engine(address: str) -> EngineLoop:
         engine = EngineLoop(WorkerClient(address, tls), config.max_batch_size, config.max_prefill_tokens,

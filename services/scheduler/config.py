@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 from services.common.config import require, setting
 from services.common.drain import check_drain_timeout, drain_timeout_setting
+from services.common.metrics import check_serving_group, serving_group_setting
 from services.common.tls import InternalTlsSettings, check_internal_tls, health_port_setting
 from services.common.model_files import DEFAULT_MODEL_NAME
 from services.scheduler.speculation import METHODS, SpeculationConfig
@@ -38,6 +39,7 @@ class SchedulerConfig(InternalTlsSettings):
     metrics_port: int = setting(0, "HTTP port of the Prometheus /metrics endpoint; 0 = metrics off")
     model_name: str = setting(DEFAULT_MODEL_NAME, "the served model's name: the metrics' model_name label",
                               alias="modelName")
+    serving_group: str = serving_group_setting()
     speculative_method: str = setting(
         "off", "speculative decoding without a draft model: off (for the whole server), prompt_lookup (n-grams "
         "of the prompt and output), suffix (most frequent continuations in this and past outputs) or mtp (the "
@@ -61,6 +63,7 @@ class SchedulerConfig(InternalTlsSettings):
         require(self.max_queue_size >= 1, "max_queue_size must be >= 1")
         check_drain_timeout(self.drain_timeout_s)
         require(0 <= self.metrics_port <= 65535, f"metrics_port must be in [0, 65535], got {self.metrics_port}")
+        check_serving_group(self.serving_group)
         require(self.speculative_method in METHODS, f"speculative_method must be one of {', '.join(METHODS)}")
         require(1 <= self.speculative_max_draft_tokens <= 64, "speculative_max_draft_tokens must be in [1, 64]")
         require(self.speculative_draft_token_budget >= 0, "speculative_draft_token_budget must be >= 0")

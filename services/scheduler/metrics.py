@@ -65,10 +65,11 @@ class SchedulerMetrics:
     """One registry for the scheduler process; `engine()` binds a joining worker's series.
     `engines` is the live list of workers (the router's, which discovery changes in place)."""
 
-    def __init__(self, model_name: str, max_model_len: int, engines: Seq[EngineLoop] = ()):
+    def __init__(self, model_name: str, max_model_len: int, engines: Seq[EngineLoop] = (),
+                 group: str | None = None):
         self.model_name = model_name
         self.engines = engines
-        self.registry = process_registry()
+        self.registry = process_registry(group)  # with a group, every series carries it (`group` label)
         reg = self.registry
 
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:

@@ -50,7 +50,7 @@ async def serve(config: WorkerConfig, log: logging.Logger) -> None:
     service = GrpcService("worker", config.host, config.port, config.drain_timeout_s, InternalTls.of(config),
                           config.health_port)
     if config.metrics_port:
-        serve_metrics_in_thread(process_registry(), config.host, config.metrics_port)
+        serve_metrics_in_thread(process_registry(config.serving_group), config.host, config.metrics_port)
     servicer = WorkerServicer(drain=service.drain)
     service.add(
         worker_pb2_grpc.add_WorkerServiceServicer_to_server,

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 from services.common.config import require, setting
 from services.common.drain import check_drain_timeout, drain_timeout_setting
+from services.common.metrics import check_serving_group, serving_group_setting
 from services.common.tls import InternalTlsSettings, check_internal_tls, health_port_setting
 
 DEVICES = ("auto", "cpu", "cuda", "npu")
@@ -20,6 +21,7 @@ class WorkerConfig(InternalTlsSettings):
     host: str = setting("127.0.0.1", "address to listen on")
     port: int = setting(50053, "gRPC port (0 picks a free one)")
     metrics_port: int = setting(0, "HTTP port of the Prometheus /metrics endpoint (process metrics); 0 = off")
+    serving_group: str = serving_group_setting()
     model_path: str = setting(
         "", "HF model directory or .gguf file; empty = bundled SmolLM2-135M-Instruct",
         alias="modelWeightPath",
@@ -67,6 +69,7 @@ class WorkerConfig(InternalTlsSettings):
     def __post_init__(self) -> None:
         require(0 <= self.port <= 65535, f"port must be in [0, 65535], got {self.port}")
         require(0 <= self.metrics_port <= 65535, f"metrics_port must be in [0, 65535], got {self.metrics_port}")
+        check_serving_group(self.serving_group)
         require(self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}")
         require(self.activations in ACTIVATIONS, f"activations must be one of {ACTIVATIONS}, got {self.activations!r}")
         require(self.graphs in GRAPHS, f"graphs must be one of {GRAPHS}, got {self.graphs!r}")

@@ -278,6 +278,9 @@ def test_serving_groups_each_get_a_scheduler_and_their_own_workers(monkeypatch):
     assert _flag(spawned["scheduler0"], "--worker-addresses") == "127.0.0.1:1,127.0.0.1:3"
     assert _flag(spawned["scheduler1"], "--worker-addresses") == "127.0.0.1:2,127.0.0.1:4"
     assert _flag(spawned["tokenizer"], "--scheduler-addresses") == "127.0.0.1:10,127.0.0.1:11"
+    # Each group's scheduler and workers label their metrics with its index.
+    assert [_flag(spawned[name], "--serving-group") for name in ("scheduler0", "scheduler1")] == ["0", "1"]
+    assert [_flag(spawned[f"worker{i}"], "--serving-group") for i in range(4)] == ["0", "1", "0", "1"]
     with pytest.raises(ValueError, match="at least as many workers"):
         Chain(group_scheduler_ports=[11], worker_ports=[1], metrics=False).start()
 
@@ -288,5 +291,6 @@ def test_one_group_is_started_as_before(monkeypatch):
     monkeypatch.setattr(chain, "_spawn", lambda name, module, *args: spawned.setdefault(name, (module, *args)))
     chain.start()
     assert chain.scheduler_names == ["scheduler"] and "scheduler0" not in spawned
+    assert all("--serving-group" not in args for args in spawned.values())  # the setting's default, "0"
     assert _flag(spawned["scheduler"], "--worker-addresses") == "127.0.0.1:1,127.0.0.1:2"
     assert _flag(spawned["tokenizer"], "--scheduler-address") == "127.0.0.1:10"

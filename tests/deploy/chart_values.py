@@ -42,7 +42,8 @@ VALUE_SETS: dict[str, dict] = {
     },
     "static-workers": {"scheduler": {"workerDiscovery": "static"}, "worker": {"replicas": 3}},
     "two-groups": {"scheduler": {"groups": 2}, "worker": {"replicas": 2}},
-    "two-groups-static": {"scheduler": {"groups": 2, "workerDiscovery": "static"}},
+    "two-groups-static": {"scheduler": {"groups": 2, "workerDiscovery": "static"},
+                          "tokenizer": {"schedulerDiscovery": "static"}},
     "custom-metrics": {
         "edge": {"autoscaling": {"metrics": [{"type": "Pods", "pods": {
             "metric": {"name": "http_requests_in_flight"}, "target": {"type": "AverageValue", "averageValue": "32"}}}]}},

@@ -103,8 +103,10 @@ def test_pods_run_as_non_root_on_a_read_only_root(value_set):
         volumes = {v["name"]: v for v in pod["volumes"]}
         for path in (env["STORMSERVE_CACHE_DIR"], "/tmp", env["HOME"]):
             assert "emptyDir" in volumes[mounts[path]], (workload["metadata"]["name"], path)
-        assert pod["automountServiceAccountToken"] is (module == "scheduler"
-                                                        and "STORMSERVE_WORKER_SERVICE" in env)
+        # Only the pods that watch EndpointSlices get a token: schedulers (workers), tokenizers (schedulers).
+        assert pod["automountServiceAccountToken"] is ((module == "scheduler" and "STORMSERVE_WORKER_SERVICE" in env)
+                                                       or (module == "tokenizer"
+                                                           and "STORMSERVE_SCHEDULER_SERVICE" in env))
 
 
 def test_model_sources():
@@ -139,7 +141,8 @@ def test_the_scheduler_may_only_read_endpointslices(value_set):
         return
     schedulers = [d for d in of_kind(objects, "Deployment")
                   if d["metadata"]["labels"]["app.kubernetes.io/component"] == "scheduler"]
-    roles, bindings = of_kind(objects, "Role"), of_kind(objects, "RoleBinding")
+    roles, bindings = ([o for o in of_kind(objects, kind) if o["metadata"]["labels"]["app.kubernetes.io/component"]
+                        == "scheduler"] for kind in ("Role", "RoleBinding"))  # the tokenizers': test_chart_groups
     assert len(roles) == len(bindings) == len(schedulers)  # one scheduler per serving group
     for role, binding in zip(roles, bindings):
         assert role["rules"] == [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
@@ -285,10 +288,13 @@ def test_services_target_ports_their_pods_open():
         for service in of_kind(objects, "Service"):
             selected = [w for w in workloads(objects)
                         if service["spec"]["selector"].items() <= w["spec"]["template"]["metadata"]["labels"].items()]
-            assert len(selected) == 1, service["metadata"]["name"]
-            ports = {p["name"] for c in selected[0]["spec"]["template"]["spec"]["containers"] for p in c["ports"]}
-            for port in service["spec"]["ports"]:
-                assert port["targetPort"] in ports
+            # One workload each, but the schedulers' Service, which lists every serving group's scheduler.
+            assert len(selected) == 1 or service["metadata"]["name"] == f"{RELEASE}-stormserve-schedulers", \
+                service["metadata"]["name"]
+            for workload in selected:
+                ports = {p["name"] for c in workload["spec"]["template"]["spec"]["containers"] for p in c["ports"]}
+                for port in service["spec"]["ports"]:
+                    assert port["targetPort"] in ports
 
 
 def test_notes_tell_how_to_call_it():

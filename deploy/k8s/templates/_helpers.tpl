@@ -84,6 +84,50 @@ stormserve.io/group: {{ .group | quote }}
 {{- join "," $addresses -}}
 {{- end -}}
 
+{{/* "true" when the tokenizers find the serving groups' schedulers through the EndpointSlices
+of the schedulers' Service (scheduler.groups > 1, tokenizer.schedulerDiscovery=endpointslices). */}}
+{{- define "stormserve.schedulerDiscovery" -}}
+{{- if and (gt (int (default 1 .Values.scheduler.groups)) 1) (eq .Values.tokenizer.schedulerDiscovery "endpointslices") -}}
+true
+{{- end -}}
+{{- end -}}
+
+{{/* The headless Service of every serving group's scheduler pod, whose EndpointSlices the tokenizers watch. */}}
+{{- define "stormserve.schedulersService" -}}
+{{- printf "%s-schedulers" (include "stormserve.fullname" .) -}}
+{{- end -}}
+
+{{/* A Role that may read EndpointSlices in the release's namespace (get, list, watch: nothing
+else), bound to the ServiceAccount of one component; call with its context
+(dict "root" $ "component" "scheduler"). */}}
+{{- define "stormserve.endpointSliceReader" -}}
+apiVersion: rbac.authorization.k8s.io/v1
+kind: Role
+metadata:
+  name: {{ include "stormserve.component" . }}
+  labels:
+    {{- include "stormserve.componentLabels" . | nindent 4 }}
+rules:
+  - apiGroups: ["discovery.k8s.io"]
+    resources: ["endpointslices"]
+    verbs: ["get", "list", "watch"]
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: RoleBinding
+metadata:
+  name: {{ include "stormserve.component" . }}
+  labels:
+    {{- include "stormserve.componentLabels" . | nindent 4 }}
+roleRef:
+  apiGroup: rbac.authorization.k8s.io
+  kind: Role
+  name: {{ include "stormserve.component" . }}
+subjects:
+  - kind: ServiceAccount
+    name: {{ include "stormserve.component" . }}
+    namespace: {{ .root.Release.Namespace }}
+{{- end -}}
+
 {{/* The headless Service through which Envoy reaches each pod of a component (edge, tokenizer). */}}
 {{- define "stormserve.envoyUpstream" -}}
 {{- printf "%s-pods" (include "stormserve.component" .) | trunc 63 | trimSuffix "-" -}}
@@ -189,6 +233,11 @@ lifecycle:
 {{- if and .root.Values.metrics.enabled (ne .component "edge") }}
 - name: STORMSERVE_METRICS_PORT
   value: {{ .root.Values.metrics.port | quote }}
+{{- end }}
+{{- if has .component (list "scheduler" "worker") }}
+# The serving group, the `group` label of every metric this process exports.
+- name: STORMSERVE_SERVING_GROUP
+  value: {{ default "0" .group | quote }}
 {{- end }}
 {{- if and .root.Values.tls.internal.enabled (has .component (list "tokenizer" "scheduler" "worker")) }}
 - name: STORMSERVE_HEALTH_PORT

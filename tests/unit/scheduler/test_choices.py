@@ -7,7 +7,7 @@ import pytest
 
 from services.common.errors import ServiceError
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.convert import to_response, to_sequences
+from services.scheduler.convert import fill_response, to_sequences
 from services.scheduler.sequence import FinishReason, SequenceStatus, TokenEvent
 from stormserve.scheduler.v1 import scheduler_pb2
 from tests.unit.scheduler.test_batching import run_to_end
@@ -78,7 +78,7 @@ def test_best_of_equal_to_n_streams_each_choice_under_its_own_index():
     finish(b, -1.5)
     updates = choices.accept([(b, event(4))])
     assert [(u.index, u.is_last) for u in updates] == [(1, True)] and not choices.is_done
-    reply = to_response(updates[0], choices)
+    reply = fill_response(scheduler_pb2.GenerateResponse(), updates[0], choices)
     assert reply.index == 1 and reply.finish_reason == scheduler_pb2.FINISH_REASON_LENGTH
     assert reply.cumulative_logprob == -1.5 and not reply.tokens[0].HasField("logprob")  # not asked
     finish(a, -2.0)
@@ -97,7 +97,7 @@ def test_best_of_holds_everything_then_sends_the_best_n_renumbered():
     updates = choices.accept([(seqs[2], event(12))])
     assert [(u.index, u.seq.index, [e.token_id for e in u.events], u.is_first, u.is_last) for u in updates] == [
         (0, 1, [1, 11], True, True), (1, 2, [2, 12], True, True)]
-    replies = [to_response(u, choices) for u in updates]
+    replies = [fill_response(scheduler_pb2.GenerateResponse(), u, choices) for u in updates]
     assert [r.cumulative_logprob for r in replies] == [-1.0, -2.0]
     assert replies[0].prompt_tokens == 11 and replies[0].tokens[0].logprob == -0.5  # asked: reported
     assert choices.is_done
@@ -110,7 +110,7 @@ def test_abort_ends_every_unfinished_choice():
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, FinishReason.ABORT
     updates = choices.accept([])
     assert len(updates) == 2 and all(u.is_last for u in updates) and choices.is_done
-    assert to_response(updates[0], choices).finish_reason == scheduler_pb2.FINISH_REASON_ABORT
+    assert fill_response(scheduler_pb2.GenerateResponse(), updates[0], choices).finish_reason == scheduler_pb2.FINISH_REASON_ABORT
 
 
 def test_end_to_end_on_the_fake_worker_is_reproducible():

@@ -16,6 +16,7 @@ from services.scheduler.router import Router
 from services.scheduler.worker_client import WorkerHealth
 from tests.fake_kube import endpoint_slice, slice_endpoint
 from tests.unit.scheduler.test_policy import make_seq
+from tests.unit.scheduler.streams import submit
 
 SERVICE = "workers"
 
@@ -128,8 +129,8 @@ def test_ready_endpoints_join_not_ready_drain_and_removed_ones_fail_their_reques
         assert addresses(router.engines) == ["10.0.0.1:50053", "10.0.0.2:50053"]
         await until(lambda: len(router.ready_engines) == 2)
         a, b = router.engines
-        stream_a = a.submit([make_seq(1)])
-        stream_b = b.submit([make_seq(2)])
+        stream_a = submit(a, [make_seq(1)])
+        stream_b = submit(b, [make_seq(2)])
 
         # a not ready: it drains: it keeps its sequence, gets no new ones.
         await pool.apply(merge_slices(slices([ep("10.0.0.1", "a", ready=False), ep("10.0.0.2", "b"),
@@ -163,7 +164,7 @@ def test_a_reused_ip_with_a_new_pod_uid_is_a_new_worker():
         await pool.apply(merge_slices(slices([ep("10.0.0.1", "old-pod")])))
         await until(lambda: len(router.ready_engines) == 1)
         old = router.engines[0]
-        stream = old.submit([make_seq(1)])
+        stream = submit(old, [make_seq(1)])
         await pool.apply(merge_slices(slices([ep("10.0.0.1", "new-pod")])))
         assert isinstance(stream.get_nowait(), SequenceFailed)  # the old pod's state is gone
         assert len(router.engines) == 1 and router.engines[0] is not old and old.worker.closed

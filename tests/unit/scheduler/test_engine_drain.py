@@ -13,6 +13,7 @@ from services.scheduler.plan import StepAnswer
 from services.scheduler.router import Router
 from services.scheduler.worker_client import WorkerError, WorkerHealth
 from tests.unit.scheduler.test_policy import BLOCK_SIZE, EOS, FakeWorker, WorkerCapacity, make_seq
+from tests.unit.scheduler.streams import submit
 
 STEP_S = 0.005
 
@@ -89,7 +90,7 @@ def test_a_draining_worker_runs_its_sequences_to_the_end_and_takes_no_new_one() 
         other, _ = await started_engine("w1")
         router = Router([draining, other])
         seq = make_seq(1, prompt_len=6, max_tokens=30)
-        stream = draining.submit([seq])
+        stream = submit(draining, [seq])
         first = await asyncio.wait_for(stream.get(), 5)
         assert isinstance(first, tuple)
 
@@ -119,7 +120,7 @@ def test_a_draining_worker_runs_its_sequences_to_the_end_and_takes_no_new_one() 
 def test_a_draining_worker_whose_step_stream_breaks_fails_its_sequences_with_the_reason() -> None:
     async def scenario() -> None:
         engine, client = await started_engine()
-        stream = engine.submit([make_seq(1, prompt_len=6, max_tokens=200)])
+        stream = submit(engine, [make_seq(1, prompt_len=6, max_tokens=200)])
         assert isinstance(await asyncio.wait_for(stream.get(), 5), tuple)
         await set_health(engine, client, WorkerHealth.NOT_SERVING)
         client.fail_with = "worker w0: UNAVAILABLE: worker shut down before this request finished: " \
@@ -137,7 +138,7 @@ def test_a_worker_gone_with_sequences_on_it_fails_them_draining_or_not() -> None
     async def scenario() -> None:
         for drain_first in (False, True):
             engine, client = await started_engine()
-            stream = engine.submit([make_seq(1, prompt_len=6, max_tokens=200)])
+            stream = submit(engine, [make_seq(1, prompt_len=6, max_tokens=200)])
             assert isinstance(await asyncio.wait_for(stream.get(), 5), tuple)
             if drain_first:
                 await set_health(engine, client, WorkerHealth.NOT_SERVING)

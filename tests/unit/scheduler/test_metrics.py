@@ -165,12 +165,8 @@ def test_a_full_queue_is_refused_and_counted_and_no_other_refusal_is():
     def refusal(max_queue_size: int) -> grpc.StatusCode:
         servicer = SchedulerServicer(SchedulerConfig(max_queue_size=max_queue_size), router, metrics=metrics)
 
-        async def call():
-            async for _ in servicer._generate(request):
-                pass
-
         with pytest.raises(ServiceError) as refused:
-            asyncio.run(call())
+            asyncio.run(servicer._generate(request))
         return refused.value.code
 
     assert scrape(metrics)[queue_full] == 0

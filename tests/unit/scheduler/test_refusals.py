@@ -24,6 +24,7 @@ from stormserve.scheduler.v1 import scheduler_pb2
 from tests.unit.scheduler.test_engine_drain import STEP_S, FakeWorkerClient
 from tests.unit.scheduler.test_policy import make_seq
 from tests.unit.scheduler.test_siblings import assert_no_leak
+from tests.unit.scheduler.streams import submit
 
 TOO_MANY = "top_logprobs must be at most 256"
 UNKNOWN = "unknown sequence"
@@ -126,11 +127,11 @@ def test_a_refused_sequence_fails_its_request_only(fields):
             good = [[make_seq(i, prompt_len=6, max_tokens=MAX_TOKENS)] for i in (1, 2, 3, 4)]
             bad = bad_request("r9", **fields)
             requests = good[:2] + [bad] + good[2:]  # the bad one in the middle of the queue
-            streams = [engine.submit(seqs) for seqs in requests]
+            streams = [submit(engine, seqs) for seqs in requests]
             results = await asyncio.gather(*(outcome(s, seqs) for s, seqs in zip(streams, requests)))
             assert engine.is_ready
             after = [make_seq(5, prompt_len=6, max_tokens=MAX_TOKENS)]
-            results.append(await outcome(engine.submit(after), after))
+            results.append(await outcome(submit(engine, after), after))
             for _ in range(100):  # the releases go out with the next steps
                 if not engine.policy.has_work():
                     break
@@ -160,7 +161,7 @@ def test_the_refusal_of_the_step_planned_ahead_is_ignored():
         try:
             bad = bad_request("r9")
             good = [make_seq(1, prompt_len=6, max_tokens=MAX_TOKENS)]
-            streams = [engine.submit(bad), engine.submit(good)]
+            streams = [submit(engine, bad), submit(engine, good)]
             failure = await outcome(streams[0], bad)
             tokens = await outcome(streams[1], good)
             await asyncio.sleep(5 * STEP_S)
@@ -182,11 +183,11 @@ def test_a_step_refused_whole_ends_what_ran_but_keeps_the_worker_ready():
         engine = await started(client)
         try:
             running = [[make_seq(i, prompt_len=6, max_tokens=MAX_TOKENS)] for i in (1, 2)]
-            streams = [engine.submit(seqs) for seqs in running]
+            streams = [submit(engine, seqs) for seqs in running]
             failures = await asyncio.gather(*(outcome(s, seqs) for s, seqs in zip(streams, running)))
             ready = engine.is_ready  # at once: no health poll comes
             after = [make_seq(3, prompt_len=6, max_tokens=MAX_TOKENS)]
-            return failures, ready, await outcome(engine.submit(after), after), engine
+            return failures, ready, await outcome(submit(engine, after), after), engine
         finally:
             await engine.stop()
 
@@ -202,7 +203,7 @@ def test_a_worker_that_cannot_be_reached_is_still_lost():
         engine = await started(client)
         try:
             seqs = [make_seq(1, prompt_len=6, max_tokens=MAX_TOKENS)]
-            stream = engine.submit(seqs)
+            stream = submit(engine, seqs)
             await asyncio.wait_for(stream.get(), 5)
             client.fail_with = "worker w0: UNAVAILABLE: Socket closed"
             return await outcome(stream, seqs), engine.is_ready

@@ -8,6 +8,7 @@ from services.scheduler.engine import WORKER_LOST, EngineLoop, SequenceFailed
 from services.scheduler.plan import WorkerCapacity
 from services.scheduler.worker_client import WorkerError, WorkerHealth
 from tests.unit.scheduler.test_policy import make_seq
+from tests.unit.scheduler.streams import submit
 
 ADDRESS = "127.0.0.1:50999"
 
@@ -47,7 +48,7 @@ def test_a_lost_worker_fails_its_requests_without_naming_itself(caplog):
         try:
             while not engine.is_ready:
                 await asyncio.sleep(0.01)
-            streams = [engine.submit([make_seq(i)]) for i in (1, 2)]
+            streams = [submit(engine, [make_seq(i)]) for i in (1, 2)]
             return [await asyncio.wait_for(s.get(), 10) for s in streams]
         finally:
             await engine.stop()

@@ -62,6 +62,14 @@ def served(chain) -> list[float]:
             for name in chain.scheduler_names]
 
 
+def test_each_groups_processes_label_their_metrics_with_its_index(two_groups):
+    chain = two_groups
+    expected = {**{name: str(g) for g, name in enumerate(chain.scheduler_names)},
+                **{f"worker{i}": str(g) for g in range(len(chain.scheduler_names)) for i in chain.group_workers(g)}}
+    for name, group in expected.items():
+        assert {dict(labels).get("group") for _, labels in scrape(chain.metrics_urls[name])[1]} == {group}, name
+
+
 def chat(chain, messages, max_tokens: int = 6) -> str:
     body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
     reply = httpx.post(chain.url + "/v1/chat/completions", json=body, timeout=300)

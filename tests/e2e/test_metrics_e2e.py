@@ -62,7 +62,11 @@ def test_every_process_serves_metrics_and_no_pid_label(urls):
     assert types["vllm:prompt_tokens"] == "counter"
     assert types["vllm:e2e_request_latency_seconds"] == "histogram"
     series = [dict(labels) for name, labels in samples if name == "vllm:num_requests_running"]
-    assert series == [{"model_name": MODEL, "engine": "0"}]
+    assert series == [{"model_name": MODEL, "engine": "0", "group": "0"}]  # one serving group: "0"
+    # A group's scheduler and workers label every series with it; the front carries none.
+    for name, url in urls.items():
+        groups = {dict(labels).get("group") for _, labels in scrape(url)[1]}
+        assert groups == ({"0"} if name.startswith(("scheduler", "worker")) else {None}), name
     info = [dict(labels) for name, labels in samples if name == "vllm:cache_config_info"]
     assert info and {"block_size", "num_gpu_blocks", "engine"} <= set(info[0])
     # The engine set only on the scheduler: a sum over pods counts each token once.

@@ -8,9 +8,9 @@ bytes after layer l - 1, and blocks b..b+n-1 of a layer are one run of n x
 block_bytes. Both pools register their cache tensors with their engine once;
 `send_blocks` then writes, for every cache tensor and layer, each run of
 consecutive (src, dst) block pairs as one (local address, remote address,
-length) entry of ONE batch transfer, straight from the registered local
-memory into the registered remote memory: no staging copy, no tensor
-through Python. The sender pushes; the receiver's engine accepts writes only
+length) entry of one batch transfer (several past MAX_BATCH_ENTRIES entries),
+straight from the registered local memory into the registered remote memory:
+no staging copy, no tensor through Python. The sender pushes; the receiver's engine accepts writes only
 inside memory it registered, so a wrong address fails the transfer rather
 than landing in the peer's heap.
 
@@ -74,6 +74,12 @@ PACKAGES = {"cpu": "mooncake-transfer-engine-non-cuda", "cuda": "mooncake-transf
             "npu": "mooncake-transfer-engine-npu"}
 # Mooncake clamps MC_TRANSFER_TIMEOUT to at least this many seconds.
 MIN_TIMEOUT_S = 5
+# Entries per batch: the TCP transport queues a bounded number of transfers per
+# peer (MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER) and fails a batch beyond it at
+# once ("TCP lane queue-full"): 2,100 entries passed, 2,500 failed (0.3.13.post1).
+# Sparse blocks over many layers reach that (2 caches x 32 layers x 64 runs);
+# larger batches go as several, one after another.
+MAX_BATCH_ENTRIES = 1024
 
 
 class KVTransferUnavailable(RuntimeError):
@@ -240,10 +246,14 @@ class KVTransfer:
                     targets.append(remote_base + dst * theirs.block_bytes)
                     lengths.append(count * mine.block_bytes)
         num_bytes = sum(lengths)
-        if not lengths:
-            return TransferResult(0, 0.0, 0)
         start = time.perf_counter()
-        status = self._engine.batch_transfer_sync_write(remote.session, sources, targets, lengths)
+        status = 0
+        for first in range(0, len(lengths), MAX_BATCH_ENTRIES):
+            chunk = slice(first, first + MAX_BATCH_ENTRIES)
+            status = self._engine.batch_transfer_sync_write(remote.session, sources[chunk], targets[chunk],
+                                                            lengths[chunk])
+            if status != 0:
+                break
         elapsed = time.perf_counter() - start
         if status != 0:
             timed_out = elapsed >= self.timeout_s

@@ -132,6 +132,22 @@ def test_blocks_land_exactly_in_the_chosen_slots_and_nowhere_else(peers, sender)
             assert torch.equal(_blocks(new, b), _blocks(old, b))
 
 
+def test_a_batch_past_the_engines_queue_goes_as_several(peers):
+    """Every other block of 2 layers x K and V: 2,400 entries, more than the TCP
+    transport queues for one peer; two engines in this process."""
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=1, head_dim=4, block_size=1, dtype=torch.float32)
+    pools = [KVCachePool(spec, 1200, torch.device("cpu")) for _ in range(2)]
+    pools[0].key_cache.copy_(torch.randn(pools[0].key_cache.shape))
+    pools[0].value_cache.copy_(torch.randn(pools[0].value_cache.shape))
+    source, target = (KVTransfer(pool, "127.0.0.1") for pool in pools)
+    blocks = list(range(0, 1200, 2))
+    result = source.send_blocks(target.describe(), blocks, blocks)
+    assert result.num_entries == 2400 > kv_transfer.MAX_BATCH_ENTRIES
+    for sent, received in zip(pools[0].caches, pools[1].caches):
+        assert torch.equal(received[:, 0::2], sent[:, 0::2]) and not received[:, 1::2].any()
+    source.close(), target.close()
+
+
 def test_a_mismatched_or_out_of_range_request_is_refused_before_sending(peers, sender):
     _, transfer = sender
     (_, remote), _ = peers

@@ -10,7 +10,7 @@ finished at once when it ends (beam.py); each goes out whole under its index.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from services.common.errors import invalid_argument
 from services.scheduler.sequence import Sequence, TokenEvent
@@ -32,9 +32,9 @@ def sibling_seed(seed: int, index: int) -> int:
     return (z ^ (z >> 31)) >> 1
 
 
-@dataclass(frozen=True)
-class ChoiceUpdate:
-    """One message's worth of one choice: its new tokens, and whether it ends here."""
+class ChoiceUpdate(NamedTuple):
+    """One message's worth of one choice: its new tokens, and whether it ends here
+    (a tuple: one is built per request per step)."""
 
     index: int
     seq: Sequence
@@ -84,11 +84,17 @@ class Choices:
 
         Call with no items after sequences ended without a token (abort): their
         choices then end too."""
-        if len(self.seqs) == 1:  # most requests: one choice, whatever the items hold
+        if len(self.seqs) == 1:  # most requests: one choice, whatever the items hold (nothing pends)
             seq = self.seqs[0]
-            self._pending[seq.seq_id] += [event for _, event in items]
-            update = self._take(seq, seq.index)
-            return [] if update is None else [update]
+            is_last = seq.is_finished
+            if (not items and not is_last) or self._ended:
+                return []
+            is_first = not self._started
+            if is_first:
+                self._started.add(seq.seq_id)
+            if is_last:
+                self._ended.add(seq.seq_id)
+            return [ChoiceUpdate(seq.index, seq, [event for _, event in items], is_first, is_last)]
         for seq, event in items:
             self._pending[seq.seq_id].append(event)
         if self.is_selecting:

@@ -52,7 +52,7 @@ class SequenceFailed:
 
 
 # What the engine delivers to a request: its sequences' tokens, or a
-# SequenceFailed (then nothing more); an empty list after an abort, so that the
+# SequenceFailed alone (then nothing more); an empty list after an abort, so that the
 # request sees those sequences finished. Called in the engine's loop, once per
 # step per request with all of its tokens, and must not raise.
 StreamItem = tuple[Sequence, TokenEvent] | SequenceFailed

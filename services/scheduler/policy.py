@@ -229,7 +229,7 @@ class BatchPolicy(BeamSteps):
                 started_us - last_event_us if started_us > last_event_us else 0,
                 (finished_us - last_event_us if finished_us > last_event_us else 0) / 1000.0,
                 token.logprob,
-                list(token.top_logprobs) if token.top_logprobs else [],
+                token.top_logprobs,
             )
             seq.last_event_us = finished_us
             if seq.beam is not None:

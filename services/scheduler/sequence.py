@@ -4,7 +4,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
     from services.scheduler.beam import BeamSearch
@@ -82,16 +82,16 @@ class ImageSpan:
     num_bytes: int = 0  # the message's size, pixels included
 
 
-@dataclass
-class TokenEvent:
-    """One generated token and the statistics the API reports for it."""
+class TokenEvent(NamedTuple):
+    """One generated token and the statistics the API reports for it (a tuple:
+    one is built per token)."""
 
     token_id: int
     batch_size: int
     queue_wait_us: int
     latency_ms: float
     logprob: float | None = None
-    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+    top_logprobs: tuple[tuple[int, float], ...] | list[tuple[int, float]] = ()
 
 
 @dataclass(eq=False)  # identity: siblings reference each other, and queues remove by identity

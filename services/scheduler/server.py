@@ -63,13 +63,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             if done.done():
                 return
             try:
-                tokens = []
-                for item in items:
-                    if isinstance(item, SequenceFailed):
-                        done.set_exception(ServiceError(item.code, item.message))
-                        return
-                    tokens.append(item)
-                for update in choices.accept(tokens):
+                if items and isinstance(failure := items[0], SequenceFailed):
+                    done.set_exception(ServiceError(failure.code, failure.message))
+                    return
+                for update in choices.accept(items):
                     fill_response(reply(scheduler_pb2.GenerateResponse), update, choices)
                 if choices.is_done:
                     done.set_result(None)

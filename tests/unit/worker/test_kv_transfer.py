@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from services.worker import kv_transfer
-from services.worker.kv_cache import KVCachePool, KVCacheSpec
+from services.worker.kv_cache import KVCachePool, KVCacheSpec, LatentLayout
 from services.worker.kv_transfer import (KVTransfer, KVTransferError, KVTransferUnavailable, PoolDescriptor,
                                          block_runs)
 
@@ -133,12 +133,14 @@ def test_blocks_land_exactly_in_the_chosen_slots_and_nowhere_else(peers, sender)
 
 
 def test_a_batch_past_the_engines_queue_goes_as_several(peers):
-    """Every other block of 2 layers x K and V: 2,400 entries, more than the TCP
-    transport queues for one peer; two engines in this process."""
-    spec = KVCacheSpec(num_layers=2, num_kv_heads=1, head_dim=4, block_size=1, dtype=torch.float32)
+    """Every other block of 2 layers x an MLA pool's two caches (latent and rope,
+    blocks of different sizes): 2,400 entries, more than the TCP transport
+    queues for one peer; two engines in this process."""
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=1, head_dim=6, block_size=1, dtype=torch.float32,
+                       latent=LatentLayout(kv_lora_rank=4, rope_dim=2, per_head_values=12))
     pools = [KVCachePool(spec, 1200, torch.device("cpu")) for _ in range(2)]
-    pools[0].key_cache.copy_(torch.randn(pools[0].key_cache.shape))
-    pools[0].value_cache.copy_(torch.randn(pools[0].value_cache.shape))
+    for cache in pools[0].caches:
+        cache.copy_(torch.randn(cache.shape))
     source, target = (KVTransfer(pool, "127.0.0.1") for pool in pools)
     blocks = list(range(0, 1200, 2))
     result = source.send_blocks(target.describe(), blocks, blocks)

@@ -247,16 +247,17 @@ class KVTransfer:
                     lengths.append(count * mine.block_bytes)
         num_bytes = sum(lengths)
         start = time.perf_counter()
-        status = 0
+        status, chunk_start = 0, start
         for first in range(0, len(lengths), MAX_BATCH_ENTRIES):
-            chunk = slice(first, first + MAX_BATCH_ENTRIES)
+            chunk, chunk_start = slice(first, first + MAX_BATCH_ENTRIES), time.perf_counter()
             status = self._engine.batch_transfer_sync_write(remote.session, sources[chunk], targets[chunk],
                                                             lengths[chunk])
             if status != 0:
                 break
         elapsed = time.perf_counter() - start
         if status != 0:
-            timed_out = elapsed >= self.timeout_s
+            # Mooncake gives up on a batch after timeout_s (+1 ns per byte) without ack.
+            timed_out = elapsed - (chunk_start - start) >= self.timeout_s
             raise KVTransferError(
                 f"KV transfer of {len(src_blocks)} blocks ({num_bytes} bytes) to {remote.session} "
                 f"{'timed out' if timed_out else 'failed'} after {elapsed:.3f} s (Mooncake status {status})",

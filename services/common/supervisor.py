@@ -25,6 +25,7 @@ import argparse
 import ctypes
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -94,6 +95,8 @@ class Chain:
     # scheduler_port), the workers dealt to the groups in turn; the tokenizer spreads
     # requests over them. Processes are then named scheduler<g> and worker<i>.
     group_scheduler_ports: list[int] = field(default_factory=list)
+    # Each worker's role (services.worker --role) by index; none given: every one both.
+    worker_roles: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     log_dir: Path | None = None  # None: children write to our stdout/stderr
     # The gRPC services' /metrics ports by process name (the edge serves its own on
@@ -182,7 +185,8 @@ class Chain:
         for i, port in enumerate(self.worker_ports):
             self._spawn(f"worker{i}", "services.worker", *internal, "--port", str(port),
                         *self._metrics_flag(f"worker{i}"), *self._threads_flag(), *self._health_flag(f"worker{i}"),
-                        *self._group_flag(i % len(self.scheduler_ports)))
+                        *self._group_flag(i % len(self.scheduler_ports)),
+                        *(("--role", self.worker_roles[i]) if self.worker_roles else ()))
         for group, (name, port) in enumerate(zip(self.scheduler_names, self.scheduler_ports)):
             workers = [f"127.0.0.1:{self.worker_ports[i]}" for i in self.group_workers(group)]
             self._spawn(name, "services.scheduler", *internal, "--port", str(port),
@@ -371,6 +375,15 @@ def envoy_in_front(environ: Mapping[str, str]) -> EnvoyConfig | None:
     return load_config(EnvoyConfig, argv=[], environ=environ)
 
 
+def disaggregated_roles(spec: str) -> list[str]:
+    """The workers' roles of one group for a spec such as 1P1D (prefill first)."""
+    match = re.fullmatch(r"(\d+)P(\d+)D", spec.strip().upper())
+    if match is None or int(match[1]) < 1 or int(match[2]) < 1:
+        raise ValueError(f"disaggregate must read like 1P1D (prefill and decode workers, at least one each), "
+                         f"got {spec!r}")
+    return ["prefill"] * int(match[1]) + ["decode"] * int(match[2])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="Run the stormserve chain locally.")
     parser.add_argument("--host", default=os.environ.get("STORMSERVE_HOST", "127.0.0.1"),
@@ -381,9 +394,21 @@ def main() -> None:
                         help="number of worker processes per serving group (env STORMSERVE_WORKERS)")
     parser.add_argument("--groups", type=int, default=int(os.environ.get("STORMSERVE_GROUPS", "1")),
                         help="number of serving groups, a scheduler and its workers each (env STORMSERVE_GROUPS)")
+    parser.add_argument("--disaggregate", default=os.environ.get("STORMSERVE_DISAGGREGATE", ""),
+                        help="prefill and decode workers per serving group, e.g. 1P1D, in place of --workers "
+                             "(env STORMSERVE_DISAGGREGATE)")
     args = parser.parse_args()
     if args.workers < 1 or args.groups < 1:
         parser.error("--workers and --groups must be at least 1")
+    roles: list[str] = []
+    if args.disaggregate:
+        try:
+            per_group = disaggregated_roles(args.disaggregate)
+        except ValueError as exc:
+            parser.error(str(exc))
+        args.workers = len(per_group)
+        # Workers are dealt to the groups in turn: worker i is number i // groups of group i % groups.
+        roles = [per_group[i // args.groups] for i in range(len(per_group) * args.groups)]
     num_workers = args.workers * args.groups
     # gRPC ports: the first scheduler 50052, workers 50053 on, the other schedulers after them.
     # Metrics ports next to the edge's: tokenizer +1, scheduler +2, workers +3 on, the other
@@ -395,7 +420,7 @@ def main() -> None:
                      **{f"worker{i}": args.port + 3 + i for i in range(num_workers)},
                      **{name: args.port + 3 + num_workers + g for g, name in enumerate(names[1:])}}
     chain = Chain(host=args.host, edge_port=args.port, worker_ports=worker_ports,
-                  group_scheduler_ports=group_ports, metrics_ports=metrics_ports,
+                  group_scheduler_ports=group_ports, metrics_ports=metrics_ports, worker_roles=roles,
                   envoy=envoy_in_front(os.environ))
     setup_logging("supervisor")
     supervising = False

@@ -36,6 +36,8 @@ async def main() -> None:
     metrics = (SchedulerMetrics(config.model_name, config.max_seq_len, router.engines, config.serving_group)
                if config.metrics_port else None)
 
+    router.handoff.transfer_timeout_s, router.handoff.metrics = config.kv_transfer_timeout_s, metrics
+
     def make_engine(address: str) -> EngineLoop:
         engine = EngineLoop(WorkerClient(address, tls), config.max_batch_size, config.max_prefill_tokens,
                             config.speculation)

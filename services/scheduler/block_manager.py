@@ -159,8 +159,14 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references; its cached blocks stay reusable until evicted."""
+        self.release(seq.block_table)
+        seq.block_table = []
+        seq.block_hashes = []
+
+    def release(self, table: list[int]) -> None:
+        """Drop one reference to each block of `table` (a table no sequence holds any more)."""
         # Tail first: when evicting, the ends of chains go before their shared starts.
-        for block_id in reversed(seq.block_table):
+        for block_id in reversed(table):
             block = self.blocks[block_id]
             block.ref_count -= 1
             assert block.ref_count >= 0, f"block {block_id} freed twice"
@@ -169,8 +175,6 @@ class BlockManager:
                     self._evictable[block_id] = None
                 else:
                     self._free.append(block_id)
-        seq.block_table = []
-        seq.block_hashes = []
 
     def _take_block(self) -> int:
         if self._free:

@@ -48,8 +48,12 @@ class SchedulerConfig(InternalTlsSettings):
     speculative_draft_token_budget: int = setting(
         24, "drafted tokens one step may carry, less one per running sequence (0 drafts from that many on)")
     health_port: int = health_port_setting()
+    kv_transfer_timeout_s: float = setting(
+        60.0, "prefill/decode disaggregation: how long one SendBlocks call may take before it counts as failed "
+        "(tried twice, then the decode worker recomputes the prompt)")
 
     def __post_init__(self) -> None:
+        require(self.kv_transfer_timeout_s > 0, f"kv_transfer_timeout_s must be > 0, got {self.kv_transfer_timeout_s}")
         require(self.worker_discovery in ("static", "endpointslices"),
                 "worker_discovery must be static or endpointslices")
         if self.worker_discovery == "static":

@@ -84,6 +84,8 @@ class EngineLoop:
         # may join (the router's: the same model as the others); it returns why not.
         self.info = None
         self.admit: Callable[[object], str | None] | None = None
+        # Prefill/decode disaggregation: given the sequences whose KV is to move (handoff.py).
+        self.on_prefilled: Callable[[EngineLoop, list[Sequence]], None] | None = None
         self._refused: str | None = None  # the last refusal logged
 
     @property
@@ -94,6 +96,25 @@ class EngineLoop:
     def accepts_sequences(self) -> bool:
         """Ready and not draining: new sequences may be placed here."""
         return self.is_ready and not self.is_draining
+
+    @property
+    def role(self) -> str:
+        """The worker's: prefill, decode or both."""
+        return self.policy.capacity.role if self.policy else "both"
+
+    def wake(self) -> None:
+        """Plan again: the policy changed outside a step (a sequence moved in or out)."""
+        self._wakeup.set()
+
+    def take_delivery(self, request_id: str) -> Deliver | None:
+        """Stop delivering a request here (it moves on to another engine); where it went."""
+        return self._deliver_to.pop(request_id, None)
+
+    def give_delivery(self, request_id: str, deliver: Deliver) -> None:
+        self._deliver_to[request_id] = deliver
+
+    def delivers(self, request_id: str) -> bool:
+        return request_id in self._deliver_to
 
     @property
     def load(self) -> int:
@@ -185,6 +206,8 @@ class EngineLoop:
             if self.metrics is not None:
                 self.metrics.on_step(plan, events, started_us, finished_us)
             self._deliver(events)
+            if planned_by.prefill_only and (moving := planned_by.take_prefilled()) and self.on_prefilled:
+                self.on_prefilled(self, moving)
 
     def _deliver(self, events: list[tuple[Sequence, TokenEvent]]) -> None:
         """A step's tokens, all of a request's at once."""

@@ -31,7 +31,7 @@ from bisect import bisect_left
 from collections.abc import Iterable, Sequence as Seq
 from typing import TYPE_CHECKING
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -53,6 +53,7 @@ LABELS = ("model_name", "engine")
 # vLLM's FinishReason strings; "error": the worker was lost under the request.
 FINISHED_REASONS = ("stop", "length", "abort", "error")
 STEP_KINDS = ("prefill", "decode", "mixed")
+TRANSFER_OUTCOMES = ("sent", "retried", "recomputed", "kept")
 QUEUE_WAIT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
                       60.0, 300.0, 1800.0, 7680.0)
 STEP_DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0,
@@ -120,6 +121,23 @@ class SchedulerMetrics:
         self.rejected = Counter("stormserve:requests_rejected", "Requests refused before they ran, by reason.",
                                 ("reason",), registry=reg)
         self.rejected.labels("queue_full")  # the one reason the scheduler decides; at 0 from the start
+        # Prefill/decode disaggregation (handoff.py).
+        self.kv_transfers = Counter(
+            "stormserve:kv_transfers", "Sequences moved from a prefill to a decode worker, by outcome: sent, "
+            "retried (sent on the second try), recomputed (failed twice: the decode worker computed the prompt) "
+            "or kept (no decode worker could take it: it decoded where it was prefilled).",
+            ("model_name", "outcome"), registry=reg)
+        self.kv_transfer_bytes = Counter("stormserve:kv_transfer_bytes", "Bytes of KV cache sent between workers.",
+                                         ("model_name",), registry=reg)
+        self.kv_transfer_duration = Histogram(
+            "stormserve:kv_transfer_duration_seconds", "Time of one successful KV transfer (SendBlocks).",
+            ("model_name",), buckets=QUEUE_WAIT_BUCKETS, registry=reg)
+        for outcome in TRANSFER_OUTCOMES:  # at 0 from the start, as every series of ours
+            self.kv_transfers.labels(model_name, outcome)
+        self.kv_transfer_bytes.labels(model_name)
+        self.kv_transfers_in_flight = Gauge(
+            "stormserve:kv_transfers_in_flight", "Sequences between a prefill and a decode worker: waiting for "
+            "room on one, or being sent.", ("model_name",), registry=reg)
         self.registry.register(_StateCollector(self, engines))
 
     def engine(self) -> EngineMetrics:

@@ -16,6 +16,7 @@ class WorkerCapacity:
     block_size: int
     max_batch_size: int
     eos_token_ids: frozenset[int]
+    role: str = "both"  # prefill, decode or both
 
 
 class ScheduledSequence(NamedTuple):

@@ -29,7 +29,8 @@ whose result is dropped; a preemption makes any planned step's result stale
 (`epoch`).
 
 Beam search (select, fork and end beams on these blocks and queues) is in
-beam_steps.py.
+beam_steps.py; a prefill worker's sequences that move to a decode worker,
+and a decode worker's that come from one, in transfer_steps.py.
 
 Speculative decoding (speculation.py): a decoding sequence whose last token is
 known may carry a draft after it; its step then yields up to 1 + the draft's
@@ -54,9 +55,10 @@ from services.scheduler.plan import (  # noqa: F401 - re-exported: the policy's 
 )
 from services.scheduler.sequence import FinishReason, Sequence, SequenceStatus, TokenEvent
 from services.scheduler.speculation import SpeculationConfig, Speculator
+from services.scheduler.transfer_steps import TransferSteps
 
 
-class BatchPolicy(BeamSteps):
+class BatchPolicy(BeamSteps, TransferSteps):
     def __init__(self, capacity: WorkerCapacity, max_batch_size: int, max_prefill_tokens: int,
                  speculator: Speculator | None = None):
         self.capacity = capacity
@@ -79,6 +81,7 @@ class BatchPolicy(BeamSteps):
         self._outstanding: dict[int, int] = {}
         self._planned: dict[int, ScheduledSequence] = {}
         self._next_step_id = 0
+        self._init_transfers(capacity.role == "prefill")
 
     # -- admission ---------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -137,7 +140,7 @@ class BatchPolicy(BeamSteps):
     def num_unfinished(self) -> int:
         """len(unfinished_sequences()), counted without building it: every placement
         and every new request reads it for every worker."""
-        return len(self.running) + len(self.waiting) + self._num_fork_pending
+        return len(self.running) + len(self.waiting) + self._num_fork_pending + self.num_moving
 
     def unfinished_sequences(self) -> list[Sequence]:
         """Running, waiting and fork-pending sequences."""
@@ -145,7 +148,7 @@ class BatchPolicy(BeamSteps):
         return seqs + [fork for seq in seqs for fork in seq.forks]
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._to_release or self._copies)
+        return bool(self.waiting or self.running or self._to_release or self._copies or self.num_moving)
 
     # -- the three verbs -----------------------------------------------------
     def schedule(self) -> StepPlan | None:
@@ -243,6 +246,8 @@ class BatchPolicy(BeamSteps):
                 seq.cumulative_logprob += token.logprob
             self._check_finished(seq, token.token_id)
             events.append((seq, event))
+            if seq.moves and self.prefill_only:
+                self._prefilled.append(seq)
             if seq.stopping.thinking_budget is not None and seq.status is not finished:
                 for forced in self._spend_thinking_budget(seq):
                     # Appended, not sampled: computed with the next step like a prompt chunk.
@@ -310,7 +315,9 @@ class BatchPolicy(BeamSteps):
         self.speculator.on_finished(seq)
         if seq.forks:
             self._orphan_forks(seq)
-        if seq.status is SequenceStatus.FORK_PENDING:
+        if self._finish_moving(seq):
+            pass  # out of the batch, between two workers
+        elif seq.status is SequenceStatus.FORK_PENDING:
             assert seq.fork_of is not None
             seq.fork_of.forks.remove(seq)
             seq.fork_of = None
@@ -398,7 +405,7 @@ class BatchPolicy(BeamSteps):
         if not entry.is_sampling:
             return computed, seq.num_tokens
         budget = seq.stopping.thinking_budget
-        if (seq.beam is not None or (budget is not None and not seq.is_thinking_done)
+        if (seq.beam is not None or (budget is not None and not seq.is_thinking_done) or seq.moves
                 or len(seq.output_token_ids) + 1 >= seq.stopping.max_tokens or entry.draft_token_ids
                 or (self._is_speculating and self.speculator.wants_draft(seq, self._num_drafting_load))):
             return None

@@ -8,6 +8,12 @@ Every chat shares its template's first tokens: chasing such a small hit would
 send all new conversations to the worker that cached it first, and none to a
 worker that just (re)joined.
 
+Prefill/decode disaggregation: where the ready workers include prefill and
+decode ones, a request of one sequence (no beam search, no penalties or
+grammar, whose worker state needs every token fed) goes to a prefill worker
+and moves to a decode worker after its first token (handoff.py); any other
+request runs on a decode (or both) worker, which computes its prompt itself.
+
 The set of workers can change while serving (workers discovered through the
 Kubernetes API, see discovery.py): engines are added and removed, and a
 draining one keeps its running sequences but gets no new ones.
@@ -21,6 +27,7 @@ import grpc
 from services.common.affinity import pick_bounded
 from services.common.errors import NO_WORKER_READY, ServiceError
 from services.scheduler.engine import EngineLoop
+from services.scheduler.handoff import Handoff
 from services.scheduler.sequence import Sequence
 
 DEFAULT_MAX_IMBALANCE = 4
@@ -34,11 +41,13 @@ class Router:
         self.max_imbalance = max_imbalance
         self._seq_ids = itertools.count(1)
         self._draining: set[int] = set()  # id() of draining engines
+        self.handoff = Handoff(self.engines)
         for engine in engines:
             self.add(engine)
 
     def add(self, engine: EngineLoop) -> None:
         engine.admit = lambda info: self._refusal(engine, info)
+        engine.on_prefilled = lambda source, seqs: self.handoff.on_prefilled(source, seqs)
         self.engines.append(engine)
 
     def remove(self, engine: EngineLoop) -> None:
@@ -75,10 +84,23 @@ class Router:
         (SIGTERM) nor by their endpoint (not ready or terminating)."""
         return [e for e in self.engines if e.accepts_sequences and id(e) not in self._draining]
 
-    def place(self, seq: Sequence) -> EngineLoop:
+    def holder(self, request_id: str, default: EngineLoop) -> EngineLoop:
+        """The engine that delivers the request now (it may have moved since placed)."""
+        return next((e for e in self.engines if e.delivers(request_id)), default)
+
+    def place(self, seqs: list[Sequence]) -> EngineLoop:
+        """The engine for a request's sequences; marks a leader that will move (`moves`)."""
+        seq = seqs[0]
         ready = self.ready_engines
         if not ready:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, NO_WORKER_READY)
+        if any(e.role != "both" for e in ready):
+            prefill = [e for e in ready if e.role == "prefill"]
+            movable = len(seqs) == 1 and seq.beam is None and not seq.sampling.needs_full_history
+            if movable and prefill and any(e.role == "decode" for e in ready):
+                ready, seq.moves = prefill, True
+            else:
+                ready = [e for e in ready if e.role != "prefill"] or ready
 
         def reusable(engine: EngineLoop) -> int:
             cached = engine.num_cached_prefix_tokens(seq)

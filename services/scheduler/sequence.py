@@ -144,6 +144,9 @@ class Sequence:
     # valid while the sequence has `worker_draft_at` tokens.
     worker_draft: tuple[int, ...] = ()
     worker_draft_at: int = 0
+    # Prefill/decode disaggregation: placed on a prefill worker, it moves to a
+    # decode worker once its first token is sampled (see transfer_steps.py).
+    moves: bool = False
 
     def __post_init__(self) -> None:
         self.last_event_us = self.last_event_us or self.arrival_us

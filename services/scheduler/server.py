@@ -75,7 +75,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                 done.set_exception(exc)
 
         # Siblings share the prompt's KV blocks, so they all run on one worker.
-        engine = self.router.place(seqs[0])
+        engine = self.router.place(seqs)
         reply = call_reply()
         try:
             engine.submit(seqs, deliver)
@@ -90,6 +90,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             raise
         finally:
             self._live.pop(request.request_id, None)
+            engine = self.router.holder(request.request_id, engine)  # it may have moved (handoff.py)
             if choices.unfinished:
                 engine.abort(choices.unfinished)
             engine.detach(request.request_id)
@@ -111,6 +112,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         if entry is None:
             return scheduler_pb2.AbortResponse(found=False)
         engine, choices = entry
+        engine = self.router.holder(request.request_id, engine)
         seqs = choices.unfinished
         if request.HasField("index"):
             seqs = [s for s in seqs if s.index == choices.sibling_of(request.index)]

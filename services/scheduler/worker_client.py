@@ -59,8 +59,20 @@ class WorkerClient:
             block_size=reply.block_size,
             max_batch_size=reply.max_batch_size,
             eos_token_ids=frozenset(reply.eos_token_ids),
+            role=reply.role or "both",
         )
         return capacity, reply
+
+    async def send_blocks(self, peer: worker_pb2.KVPool, src_blocks: list[int], dst_blocks: list[int],
+                          timeout_s: float) -> tuple[int, float]:
+        """Have this (prefill) worker write its blocks into a peer's pool; (bytes, seconds).
+        Raises WorkerError when the transfer failed or did not finish in time."""
+        request = worker_pb2.SendBlocksRequest(peer=peer, src_blocks=src_blocks, dst_blocks=dst_blocks)
+        try:
+            reply = await self._stub.SendBlocks(request, timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise WorkerError(f"worker {self.address}: SendBlocks: {exc.code().name}: {exc.details()}") from exc
+        return reply.num_bytes, reply.elapsed_s
 
     async def send(self, plan: StepPlan) -> None:
         """Send a step; its answer comes from `receive`, after those of the steps sent before it."""

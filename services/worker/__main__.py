@@ -5,6 +5,7 @@ import asyncio
 import functools
 import logging
 import os
+import socket
 
 from services.common.config import load_config
 from services.common.grpc_server import GrpcService
@@ -15,6 +16,7 @@ from services.common.supervisor import exit_with_supervisor
 from services.common.tls import InternalTls
 from services.worker.config import WorkerConfig
 from services.worker.follower import build_runner
+from services.worker.kv_transfer import KVTransfer, KVTransferUnavailable
 from services.worker.model_runner import ModelRunner
 from services.worker.parallel import TensorParallel
 from services.worker.platforms import select_platform
@@ -40,6 +42,22 @@ def load_runner(config: WorkerConfig) -> ModelRunner:
     return runner
 
 
+def start_transfer(config: WorkerConfig, runner: ModelRunner) -> KVTransfer:
+    """A prefill or decode worker's transfer engine over its KV pool. Raises
+    ValueError (the worker then refuses to start) where it cannot run."""
+    if config.tensor_parallel_size > 1:
+        raise ValueError(f"role {config.role} with tensor_parallel_size > 1: KV transfer of sharded pools "
+                         "is not supported yet")
+    host = config.kv_transfer_host or config.host
+    if host in ("0.0.0.0", "::"):
+        host = os.environ.get("POD_IP") or socket.gethostbyname(socket.gethostname())
+    try:
+        return KVTransfer(runner.kv_pool, host, runner.kv_pool.caches[0].device.type,
+                          timeout_s=config.kv_transfer_timeout_s)
+    except KVTransferUnavailable as exc:
+        raise ValueError(str(exc)) from None
+
+
 # A draining worker stays up this long with nothing to run, so that the scheduler
 # (health polled every second) has seen NOT_SERVING before it goes: a sequence
 # placed here just before that still gets served.
@@ -61,6 +79,9 @@ async def serve(config: WorkerConfig, log: logging.Logger) -> None:
     await service.start()
     try:
         await servicer.load(functools.partial(load_runner, config))
+        if config.role != "both":
+            servicer.attach(servicer.runner, config.role, start_transfer(config, servicer.runner))
+            log.info("role %s: KV blocks move with Mooncake's transfer engine", config.role)
     except ValueError as exc:  # a model, format or setting refused by name: one line, not a traceback
         log.critical("cannot serve %s: %s", config.model_path or "the bundled model", exc)
         await service.server.stop(0)

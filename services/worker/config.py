@@ -12,6 +12,7 @@ DEVICES = ("auto", "cpu", "cuda", "npu")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 ACTIVATIONS = ("auto", "int8", "bfloat16")
 GRAPHS = ("auto", "off")
+ROLES = ("both", "prefill", "decode")
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,13 @@ class WorkerConfig(InternalTlsSettings):
     speculative_method: str = setting(
         "off", "the scheduler's setting of the same name; mtp: load the checkpoint's multi-token prediction "
         "module and return its draft with each sampled token")
+    role: str = setting(
+        "both", "prefill, decode or both: a prefill worker computes prompts and sends their KV to a decode "
+        "worker (SendBlocks, Mooncake's transfer engine), which goes on from there")
+    kv_transfer_host: str = setting(
+        "", "the address decode workers' transfer engines reach this one on (role prefill or decode); empty: "
+        "host, or the pod's IP (POD_IP) where host is 0.0.0.0")
+    kv_transfer_timeout_s: float = setting(30.0, "how long a KV transfer may go unacknowledged before it fails")
 
     def __post_init__(self) -> None:
         require(0 <= self.port <= 65535, f"port must be in [0, 65535], got {self.port}")
@@ -73,6 +81,8 @@ class WorkerConfig(InternalTlsSettings):
         require(self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}")
         require(self.activations in ACTIVATIONS, f"activations must be one of {ACTIVATIONS}, got {self.activations!r}")
         require(self.graphs in GRAPHS, f"graphs must be one of {GRAPHS}, got {self.graphs!r}")
+        require(self.role in ROLES, f"role must be one of {ROLES}, got {self.role!r}")
+        require(self.kv_transfer_timeout_s >= 5, f"kv_transfer_timeout_s must be >= 5, got {self.kv_transfer_timeout_s}")
         require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         require(
             1 <= self.cache_block_size <= 512,

@@ -5,9 +5,12 @@ from __future__ import annotations
 import math
 import warnings
 
+import grpc
 import torch
 
+from services.common.errors import ServiceError
 from services.worker.guided import GrammarSpec
+from services.worker.kv_transfer import CacheRegion, PoolDescriptor
 from services.worker.model_runner import ModelDescription
 from services.worker.sequence import SamplingParams, SequenceInput, SequenceRefused, StepResult
 from services.worker.vision import ImageInput
@@ -131,3 +134,18 @@ def describe_to_proto(description: ModelDescription) -> worker_pb2.DescribeRespo
         max_batch_size=description.max_batch_size,
         sampling_defaults=sampling_defaults,
     )
+
+
+def pool_to_proto(pool: PoolDescriptor, into: worker_pb2.KVPool) -> worker_pb2.KVPool:
+    """A KV transfer pool descriptor, filled into `into`."""
+    into.session, into.num_layers, into.num_blocks = pool.session, pool.num_layers, pool.num_blocks
+    for region in pool.regions:
+        into.regions.add(address=region.address, layer_stride=region.layer_stride, block_bytes=region.block_bytes)
+    return into
+
+
+def pool_from_proto(pool: worker_pb2.KVPool) -> PoolDescriptor:
+    if not pool.session or not pool.regions:
+        raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "the peer's KV pool has no session or no regions")
+    return PoolDescriptor(pool.session, pool.num_layers, pool.num_blocks,
+                          tuple(CacheRegion(r.address, r.layer_stride, r.block_bytes) for r in pool.regions))

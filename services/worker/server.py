@@ -29,6 +29,7 @@ from services.common import tracing
 from services.common.drain import Drain
 from services.common.errors import ServiceError, status_proto
 from services.worker import convert
+from services.worker.kv_transfer import KVTransfer, KVTransferError
 from services.worker.model_runner import ModelRunner
 from services.worker.spans import StepSpans
 from stormserve.worker.v1 import worker_pb2, worker_pb2_grpc
@@ -58,6 +59,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self.drain = drain or Drain("worker")
         self.drain.listen(self._on_drain)
         self._steps_in_flight = 0
+        # A prefill or decode worker's end of KV transfers; its sends run on threads of their own.
+        self._transfer: KVTransfer | None = None
+        self._sender = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-send")
         if runner is not None:
             self.attach(runner)
 
@@ -65,9 +69,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         """Run `loader` (load, warm up) on the step thread, then serve its runner."""
         self.attach(await asyncio.get_running_loop().run_in_executor(self._executor, loader))
 
-    def attach(self, runner: ModelRunner) -> None:
-        self._runner = runner
+    def attach(self, runner: ModelRunner, role: str = "both", transfer: KVTransfer | None = None) -> None:
+        """Serve `runner`; a prefill or decode worker also its pool's `transfer`."""
+        self._runner, self._transfer = runner, transfer
         self._description = convert.describe_to_proto(runner.describe())
+        self._description.role = role
+        if transfer is not None:
+            convert.pool_to_proto(transfer.describe(), self._description.kv_pool)
+
+    @property
+    def runner(self) -> ModelRunner | None:
+        return self._runner
 
     def _require_runner(self) -> ModelRunner:
         if self._runner is None:
@@ -77,6 +89,23 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     async def Describe(self, request: worker_pb2.DescribeRequest, context) -> worker_pb2.DescribeResponse:
         self._require_runner()
         return self._description
+
+    async def SendBlocks(self, request: worker_pb2.SendBlocksRequest, context) -> worker_pb2.SendBlocksResponse:
+        """Not refused while draining: the blocks sent are of sequences this worker still holds."""
+        self._require_runner()
+        if self._transfer is None:
+            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, "this worker's role is both: it sends no KV blocks")
+        peer = convert.pool_from_proto(request.peer)
+        try:
+            result = await asyncio.get_running_loop().run_in_executor(
+                self._sender, self._transfer.send_blocks, peer, list(request.src_blocks), list(request.dst_blocks))
+        except KVTransferError as exc:
+            log.warning("%s", exc)
+            raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED if exc.timed_out else grpc.StatusCode.UNAVAILABLE,
+                               str(exc)) from exc
+        except ValueError as exc:
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
+        return worker_pb2.SendBlocksResponse(num_bytes=result.num_bytes, elapsed_s=result.elapsed_s)
 
     def _on_drain(self) -> None:
         state = "timed out" if self.drain.expired else "draining"
@@ -196,3 +225,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)
+        self._sender.shutdown(wait=True)
+        if self._transfer is not None:
+            self._transfer.close()

@@ -139,7 +139,7 @@ def test_ready_endpoints_join_not_ready_drain_and_removed_ones_fail_their_reques
         await until(lambda: len(router.ready_engines) == 2)
         assert a not in router.ready_engines
         for i in range(5):
-            assert router.place(make_seq(10 + i)) is not a
+            assert router.place([make_seq(10 + i)]) is not a
 
         # Terminating drains too; ready again takes work again.
         await pool.apply(merge_slices(slices([ep("10.0.0.1", "a"), ep("10.0.0.2", "b", ready=False, terminating=True),

@@ -97,7 +97,7 @@ def test_a_draining_worker_runs_its_sequences_to_the_end_and_takes_no_new_one() 
         await set_health(draining, client, WorkerHealth.NOT_SERVING)
         assert draining.is_draining and draining.is_ready and not draining.accepts_sequences
         assert router.ready_engines == [other]
-        assert router.place(make_seq(2, prompt_len=6)) is other
+        assert router.place([make_seq(2, prompt_len=6)]) is other
 
         rest = await tokens_until_end(stream, 29)
         assert all(isinstance(item, tuple) for item in rest) and len(rest) == 29

@@ -26,9 +26,10 @@ import time
 
 import grpc
 
+from services.common.errors import WORKER_LOST
 from services.scheduler.engine import EngineLoop, SequenceFailed
 from services.scheduler.metrics import SchedulerMetrics
-from services.scheduler.sequence import FinishReason, Sequence
+from services.scheduler.sequence import FinishReason, Sequence, SequenceStatus
 from services.scheduler.worker_client import WorkerError
 
 log = logging.getLogger(__name__)
@@ -67,25 +68,33 @@ class Handoff:
             outcome = "kept"
             if target is not None:
                 outcome = await self._send(source, target, seq, policy.sending_table(seq), blocks)
-                if target.policy is not target_policy:  # the decode worker was lost meanwhile
+                if target.policy is not target_policy or not target.is_ready:  # lost meanwhile
                     target, outcome = None, "kept"
-            if seq.is_finished or source.policy is not policy:  # aborted, or the prefill worker was lost
-                if target_policy is not None:
+            if seq.is_finished:  # aborted meanwhile: what the decode worker reserved goes
+                if target_policy is not None and target_policy is (target.policy if target else None):
                     target_policy.drop_received(seq)
                 return
-            if target is None:
-                log.warning("%s: no decode worker could take it: it decodes on %s", seq.request_id,
-                            source.worker.address)
-                policy.keep(seq)
-                source.wake()
-            else:
-                deliver = source.take_delivery(seq.request_id)
-                policy.sent(seq)
-                source.wake()
+            deliver = source.take_delivery(seq.request_id)
+            if target is not None:
+                if source.policy is policy:
+                    policy.sent(seq)
+                    source.wake()
                 if deliver is not None:
                     target.give_delivery(seq.request_id, deliver)
                 target_policy.received(seq, transferred=outcome != "recomputed")
                 target.wake()
+            elif source.policy is policy and source.is_ready:
+                log.warning("%s: no decode worker could take it: it decodes on %s", seq.request_id,
+                            source.worker.address)
+                policy.keep(seq)
+                if deliver is not None:
+                    source.give_delivery(seq.request_id, deliver)
+                source.wake()
+            else:  # neither worker can go on with it
+                seq.status, seq.finish_reason = SequenceStatus.FINISHED, FinishReason.ABORT
+                if deliver is not None:
+                    deliver([SequenceFailed(WORKER_LOST)])
+                return
             self._count(outcome)
         except Exception:  # noqa: BLE001 - a fault here must not leave the request hanging
             log.exception("%s: moving it to a decode worker failed", seq.request_id)

@@ -31,8 +31,8 @@ class TransferSteps:
     def _init_transfers(self, prefill_only: bool) -> None:
         self.prefill_only = prefill_only
         self._prefilled: list[Sequence] = []  # sampled their first token in the last postprocess
-        # Seq id -> its table and block hashes here, while its KV is sent.
-        self._sending: dict[int, tuple[list[int], list[int]]] = {}
+        # Seq id -> its table, block hashes and computed tokens here, while its KV is sent.
+        self._sending: dict[int, tuple[list[int], list[int], int]] = {}
         self._receiving: dict[int, Sequence] = {}
 
     @property
@@ -45,7 +45,7 @@ class TransferSteps:
         moving = [seq for seq in prefilled if not seq.is_finished]
         for seq in moving:
             self.running.remove(seq)
-            self._sending[seq.seq_id] = seq.block_table, seq.block_hashes
+            self._sending[seq.seq_id] = seq.block_table, seq.block_hashes, seq.num_computed_tokens
             seq.block_table, seq.block_hashes = [], []
         return moving
 
@@ -61,7 +61,7 @@ class TransferSteps:
 
     def keep(self, seq: Sequence) -> None:
         """No decode worker can take it: it decodes here after all."""
-        seq.block_table, seq.block_hashes = self._sending.pop(seq.seq_id)
+        seq.block_table, seq.block_hashes, seq.num_computed_tokens = self._sending.pop(seq.seq_id)
         seq.moves = False
         self.running.append(seq)
 

@@ -64,6 +64,9 @@ OUTSIDE_CONFIGS: dict[str, tuple[tuple[str, ...], str, str]] = {
     "STORMSERVE_GROUPS": ((MAKE_RUN,), "1", "serving groups, a scheduler and its own workers each (the first "
                                             "scheduler on 50052, the others after the workers' ports); the "
                                             "tokenizer spreads requests over them"),
+    "STORMSERVE_DISAGGREGATE": ((MAKE_RUN,), "", "prefill and decode workers per serving group, e.g. 1P1D "
+                                                 "(in place of STORMSERVE_WORKERS; see Prefill/decode "
+                                                 "disaggregation); empty = every worker both"),
     "STORMSERVE_ENVOY": ((MAKE_RUN,), "", "1, true, yes or on: Envoy in front of the chain, configured by the envoy "
                                           "settings (listening on STORMSERVE_ENVOY_PORT); empty = none"),
 }

@@ -70,7 +70,7 @@ class WorkerConfig(InternalTlsSettings):
         "both", "prefill, decode or both: a prefill worker computes prompts and sends their KV to a decode "
         "worker (SendBlocks, Mooncake's transfer engine), which goes on from there")
     kv_transfer_host: str = setting(
-        "", "the address decode workers' transfer engines reach this one on (role prefill or decode); empty: "
+        "", "the address other workers' transfer engines reach this one's on (role prefill or decode); empty: "
         "host, or the pod's IP (POD_IP) where host is 0.0.0.0")
     kv_transfer_timeout_s: float = setting(30.0, "how long a KV transfer may go unacknowledged before it fails")
 

@@ -375,13 +375,15 @@ def envoy_in_front(environ: Mapping[str, str]) -> EnvoyConfig | None:
     return load_config(EnvoyConfig, argv=[], environ=environ)
 
 
-def disaggregated_roles(spec: str) -> list[str]:
-    """The workers' roles of one group for a spec such as 1P1D (prefill first)."""
+def disaggregated_roles(spec: str, groups: int) -> list[str]:
+    """Every worker's role for a spec such as 1P1D (per group, prefill first), in
+    the order Chain deals workers to groups: worker i is of group i % groups."""
     match = re.fullmatch(r"(\d+)P(\d+)D", spec.strip().upper())
     if match is None or int(match[1]) < 1 or int(match[2]) < 1:
         raise ValueError(f"disaggregate must read like 1P1D (prefill and decode workers, at least one each), "
                          f"got {spec!r}")
-    return ["prefill"] * int(match[1]) + ["decode"] * int(match[2])
+    per_group = ["prefill"] * int(match[1]) + ["decode"] * int(match[2])
+    return [per_group[i // groups] for i in range(len(per_group) * groups)]
 
 
 def main() -> None:
@@ -403,12 +405,10 @@ def main() -> None:
     roles: list[str] = []
     if args.disaggregate:
         try:
-            per_group = disaggregated_roles(args.disaggregate)
+            roles = disaggregated_roles(args.disaggregate, args.groups)
         except ValueError as exc:
             parser.error(str(exc))
-        args.workers = len(per_group)
-        # Workers are dealt to the groups in turn: worker i is number i // groups of group i % groups.
-        roles = [per_group[i // args.groups] for i in range(len(per_group) * args.groups)]
+        args.workers = len(roles) // args.groups
     num_workers = args.workers * args.groups
     # gRPC ports: the first scheduler 50052, workers 50053 on, the other schedulers after them.
     # Metrics ports next to the edge's: tokenizer +1, scheduler +2, workers +3 on, the other

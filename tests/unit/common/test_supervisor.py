@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from services.common import supervisor
-from services.common.supervisor import Chain
+from services.common.supervisor import Chain, disaggregated_roles
 
 SERVICE = """
 import os, sys, time
@@ -294,3 +294,18 @@ def test_one_group_is_started_as_before(monkeypatch):
     assert all("--serving-group" not in args for args in spawned.values())  # the setting's default, "0"
     assert _flag(spawned["scheduler"], "--worker-addresses") == "127.0.0.1:1,127.0.0.1:2"
     assert _flag(spawned["tokenizer"], "--scheduler-address") == "127.0.0.1:10"
+
+
+def test_disaggregated_groups_each_get_their_prefill_and_decode_workers(monkeypatch):
+    roles = disaggregated_roles("1p2d", groups=2)
+    spawned = {}
+    chain = Chain(scheduler_port=10, group_scheduler_ports=[11], worker_ports=[1, 2, 3, 4, 5, 6],
+                  worker_roles=roles, metrics=False)
+    monkeypatch.setattr(chain, "_spawn", lambda name, module, *args: spawned.setdefault(name, (module, *args)))
+    chain.start()
+    for group in (0, 1):
+        workers = [f"worker{i}" for i in chain.group_workers(group)]
+        assert sorted(_flag(spawned[w], "--role") for w in workers) == ["decode", "decode", "prefill"]
+    for spec in ("2P", "0P1D", "1P0D", "PD"):
+        with pytest.raises(ValueError, match="like 1P1D"):
+            disaggregated_roles(spec, groups=1)

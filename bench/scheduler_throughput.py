@@ -43,11 +43,13 @@ import statistics
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import psutil
+from prometheus_client.parser import text_string_to_metric_families
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from services.common.supervisor import free_port
@@ -217,6 +219,21 @@ def scheduler_env(tree: Path, port: int, addresses: list[str], point: Point, arg
     return env
 
 
+def planning_totals(metrics_port: int) -> tuple[float, float]:
+    """(seconds, steps) of stormserve:step_planning_seconds over every worker's series."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as reply:
+        text = reply.read().decode()
+    seconds = steps = 0.0
+    for family in text_string_to_metric_families(text):
+        if family.name == "stormserve:step_planning_seconds":
+            for sample in family.samples:
+                if sample.name.endswith("_sum"):
+                    seconds += sample.value
+                elif sample.name.endswith("_count"):
+                    steps += sample.value
+    return seconds, steps
+
+
 def start_scheduler(tree: Path, env: dict[str, str], profile: str | None) -> subprocess.Popen:
     command = [sys.executable]
     if profile:
@@ -245,7 +262,9 @@ async def run_point(point: Point, args, tree: Path = ROOT, profile: str | None =
                                max_batch_size=point.num_sequences)
     await workers.start()
     port = free_port()
-    process = start_scheduler(tree, scheduler_env(tree, port, workers.addresses, point, args), profile)
+    env = scheduler_env(tree, port, workers.addresses, point, args)
+    metrics_port = int(env["STORMSERVE_METRICS_PORT"])
+    process = start_scheduler(tree, env, profile)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
     # Several streams, as several tokenizers would send: a busy scheduler reads one
@@ -272,19 +291,24 @@ async def run_point(point: Point, args, tree: Path = ROOT, profile: str | None =
         scheduler, bench = psutil.Process(process.pid), psutil.Process()
         windows = []
         for _ in range(args.repeats):
+            planning_before = planning_totals(metrics_port) if metrics_port else None
             before = (time.monotonic(), (await stub.GetLoad(scheduler_pb2.GetLoadRequest())).num_steps,
                       sum(c.num_tokens for c in callers), cpu_seconds(scheduler), cpu_seconds(bench))
             await asyncio.sleep(args.seconds)
             after = (time.monotonic(), (await stub.GetLoad(scheduler_pb2.GetLoadRequest())).num_steps,
                      sum(c.num_tokens for c in callers), cpu_seconds(scheduler), cpu_seconds(bench))
             wall, steps, tokens, scheduler_cpu, bench_cpu = (a - b for a, b in zip(after, before))
-            windows.append({
+            window = {
                 "steps_per_s": steps / wall,
                 "tokens_per_s": tokens / wall,
                 "scheduler_cpu_us_per_step": scheduler_cpu / max(steps, 1) * 1e6,
                 "scheduler_cpu_pct": 100 * scheduler_cpu / wall,
                 "bench_cpu_pct": 100 * bench_cpu / wall,
-            })
+            }
+            if planning_before is not None:
+                seconds, planned = (a - b for a, b in zip(planning_totals(metrics_port), planning_before))
+                window["planning_us_per_step"] = seconds / max(planned, 1) * 1e6
+            windows.append(window)
         errors = [e for c in callers for e in c.errors]
         if errors:
             raise RuntimeError(f"calls failed: {errors[:10]}")
@@ -312,6 +336,7 @@ async def run_point(point: Point, args, tree: Path = ROOT, profile: str | None =
 
 COLUMNS = (("tree", "tree"), ("workers", "W"), ("sequences_per_worker", "S"), ("steps_per_s", "steps/s"),
            ("tokens_per_s", "tokens/s"), ("scheduler_cpu_us_per_step", "sched CPU µs/step"),
+           ("planning_us_per_step", "planning µs/step"),
            ("scheduler_cpu_pct", "sched CPU %"), ("bench_cpu_pct", "bench CPU %"), ("error", "error"))
 
 

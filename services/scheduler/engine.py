@@ -174,7 +174,12 @@ class EngineLoop:
             if sent and sent[0][0] is not policy:  # the worker was lost: those answers will not come
                 sent.clear()
                 self.worker.reset()
-            plan = policy.schedule() if len(sent) < 2 else None
+            plan = None
+            if len(sent) < 2:
+                planning_ns = time.perf_counter_ns()
+                plan = policy.schedule()
+                if plan is not None and self.metrics is not None:
+                    self.metrics.step_planning.observe((time.perf_counter_ns() - planning_ns) * 1e-9)
             if plan is not None:
                 try:
                     await self.worker.send(plan)

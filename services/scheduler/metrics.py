@@ -59,6 +59,8 @@ QUEUE_WAIT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25
 STEP_DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0,
                          10.0, 30.0, 80.0)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512, 1024)
+PLANNING_BUCKETS = (0.00001, 0.000025, 0.00005, 0.0001, 0.00015, 0.0002, 0.0003, 0.0005, 0.001, 0.002, 0.005,
+                    0.01, 0.05)
 US = 1e-6
 
 
@@ -118,6 +120,10 @@ class SchedulerMetrics:
             "stormserve:step_duration_seconds",
             "Engine step time on the worker, by kind: prefill (prompt chunks only), decode (one token per "
             "sequence only) or mixed.", STEP_DURATION_BUCKETS, ("kind",))
+        self.step_planning = histogram(
+            "stormserve:step_planning_seconds",
+            "Scheduler CPU time planning one step (the batching policy's decision, before its message is built).",
+            PLANNING_BUCKETS)
         self.rejected = Counter("stormserve:requests_rejected", "Requests refused before they ran, by reason.",
                                 ("reason",), registry=reg)
         self.rejected.labels("queue_full")  # the one reason the scheduler decides; at 0 from the start
@@ -169,6 +175,7 @@ class EngineMetrics:
         self.token_queue_wait = metrics.token_queue_wait.labels(*values)
         self.step_batch_size = metrics.step_batch_size.labels(*values)
         self.step_duration = {k: metrics.step_duration.labels(*values, k) for k in STEP_KINDS}
+        self.step_planning = metrics.step_planning.labels(*values)
 
     def on_step(self, plan: StepPlan, events: list[tuple[Sequence, TokenEvent]], started_us: int,
                 finished_us: int) -> None:

@@ -219,19 +219,17 @@ def scheduler_env(tree: Path, port: int, addresses: list[str], point: Point, arg
     return env
 
 
-def planning_totals(metrics_port: int) -> tuple[float, float]:
-    """(seconds, steps) of stormserve:step_planning_seconds over every worker's series."""
+def planning_totals(metrics_port: int) -> tuple[float, float] | None:
+    """(seconds, steps) of stormserve:step_planning_seconds over every worker's
+    series; None from a scheduler without it (an older tree)."""
     with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as reply:
         text = reply.read().decode()
-    seconds = steps = 0.0
+    found = None
     for family in text_string_to_metric_families(text):
         if family.name == "stormserve:step_planning_seconds":
-            for sample in family.samples:
-                if sample.name.endswith("_sum"):
-                    seconds += sample.value
-                elif sample.name.endswith("_count"):
-                    steps += sample.value
-    return seconds, steps
+            found = (sum(s.value for s in family.samples if s.name.endswith("_sum")),
+                     sum(s.value for s in family.samples if s.name.endswith("_count")))
+    return found
 
 
 def start_scheduler(tree: Path, env: dict[str, str], profile: str | None) -> subprocess.Popen:
@@ -306,7 +304,7 @@ async def run_point(point: Point, args, tree: Path = ROOT, profile: str | None =
                 "bench_cpu_pct": 100 * bench_cpu / wall,
             }
             if planning_before is not None:
-                seconds, planned = (a - b for a, b in zip(planning_totals(metrics_port), planning_before))
+                seconds, planned = (a - b for a, b in zip(planning_totals(metrics_port) or (0, 0), planning_before))
                 window["planning_us_per_step"] = seconds / max(planned, 1) * 1e6
             windows.append(window)
         errors = [e for c in callers for e in c.errors]

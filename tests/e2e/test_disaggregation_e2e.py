@@ -4,11 +4,15 @@ starts them), KV blocks moved by Mooncake's TCP transport. Every answer is
 held to the colocated float32 chain's: greedy and seeded text, n = 2 and
 beam search; the prefix cache hits on both sides; and where the decode
 worker's transfer engine cannot be reached (it says peers write to it at an
-address nothing answers on), every request still answers, recomputed there."""
+address nothing answers on), or its connection is cut, every request still
+answers: recomputed there, or sent on the second try."""
 from __future__ import annotations
 
+import shutil
+import subprocess
 import time
 
+import psutil
 import pytest
 
 from services.common.supervisor import Chain, free_port
@@ -161,3 +165,32 @@ def test_transfers_that_cannot_reach_the_decode_worker_are_recomputed_there(pd_c
     assert counts["recomputed"] == 2 and counts["sent"] == counts["retried"] == 0 and counts["bytes"] == 0
     for worker in workers_idle(stub):
         assert worker.num_free_kv_blocks == worker.num_kv_blocks
+
+
+def cut_transfer_connections(chain) -> int:
+    """Cut (ss -K) every TCP connection of the prefill worker to the decode
+    worker's transfer engine (its listening ports other than gRPC and metrics)."""
+    prefill, decode = (psutil.Process(chain.procs[f"worker{i}"].pid) for i in (0, 1))
+    served = {chain.worker_ports[1], chain.metrics_ports.get("worker1")}
+    engine_ports = {c.laddr.port for c in decode.net_connections("tcp")
+                    if c.status == psutil.CONN_LISTEN and c.laddr.port not in served}
+    cut = 0
+    for c in prefill.net_connections("tcp"):
+        if c.status == psutil.CONN_ESTABLISHED and c.raddr and c.raddr.port in engine_ports:
+            subprocess.run(["ss", "-K", "src", c.laddr.ip, "sport", "=", f":{c.laddr.port}"], check=True,
+                           capture_output=True)
+            cut += 1
+    return cut
+
+
+@pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (iproute2) to cut a connection")
+def test_a_transfer_whose_connection_is_cut_is_tried_again_and_answers(pd, chain_and_stub):
+    chain, stub = pd
+    reference = chain_and_stub[1]
+    tokens(stub, greedy("before-cut", list(range(4000, 4040)), max_tokens=2))  # the engines are connected
+    assert cut_transfer_connections(chain) >= 1
+    before = transfers(chain)
+    prompt = list(range(4100, 4150))
+    assert tokens(stub, greedy("after-cut", prompt))[0] == tokens(reference, greedy("co-after-cut", prompt))[0]
+    after = transfers(chain)
+    assert after["retried"] + after["recomputed"] - before["retried"] - before["recomputed"] == 1

@@ -208,3 +208,19 @@ def test_a_prefill_worker_lost_while_its_kv_moves_leaves_it_to_the_decode_worker
         assert seq.output_token_ids == colocated(1, prompt_len=10, max_tokens=8)
 
     asyncio.run(scenario())
+
+
+def test_a_draining_prefill_worker_sends_what_it_holds_and_then_holds_nothing():
+    async def scenario():
+        pair = Pair()
+        seq = make_seq(1, prompt_len=10, max_tokens=8)
+        pair.prefill(seq)
+        pair.p.is_draining = True  # SIGTERM came: no new sequences, but its transfers go on
+        assert pair.p.load == 1  # what keeps a draining worker up
+        await pair.settle()
+        assert pair.d.delivers(seq.request_id)
+        plan = pair.p.policy.schedule()  # the release that lets the worker's drain end
+        assert plan is not None and plan.release_seq_ids == [1] and not plan.scheduled
+        assert pair.p.load == 0
+
+    asyncio.run(scenario())

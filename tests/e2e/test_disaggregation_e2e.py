@@ -82,6 +82,8 @@ def transfers(chain) -> dict[str, float]:
     found = {outcome: total(samples, "stormserve:kv_transfers_total", outcome=outcome)
              for outcome in ("sent", "retried", "recomputed", "kept")}
     found["bytes"] = total(samples, "stormserve:kv_transfer_bytes_total")
+    found["timed"] = total(samples, "stormserve:kv_transfer_duration_seconds_count")
+    found["in_flight"] = total(samples, "stormserve:kv_transfers_in_flight")
     return found
 
 
@@ -107,8 +109,8 @@ def test_greedy_and_seeded_text_equal_the_colocated_chains_and_the_kv_moved(pd, 
     seeded.request_id = "co-seeded"
     assert mine == tokens(reference, seeded)[0]
     after = transfers(chain)
-    assert after["sent"] - before["sent"] == len(PROMPTS) + 1
-    assert after["bytes"] > before["bytes"]
+    assert after["sent"] - before["sent"] == after["timed"] - before["timed"] == len(PROMPTS) + 1
+    assert after["bytes"] > before["bytes"] and after["in_flight"] == 0
     for worker in workers_idle(stub):  # nothing held on either side once they are done
         assert worker.num_free_kv_blocks == worker.num_kv_blocks
 

@@ -86,3 +86,13 @@ def test_the_image_and_the_chart_agree():
         assert (ROOT / "services" / module / "__main__.py").exists()
     # The worker compiles its kernels at first start: the image carries the compiler.
     assert any("gcc" in r and "libc6-dev" in r for r in instructions("RUN"))
+
+
+def test_the_image_carries_what_the_transfer_engine_links():
+    # Mooncake's wheel (pinned in requirements.txt) links libibverbs.so.1, TCP transport included:
+    # the runtime stage installs it, as `make ibverbs` does here.
+    assert "mooncake-transfer-engine" in (ROOT / "requirements.txt").read_text()
+    runtime = DOCKERFILE.rsplit("FROM ${PYTHON_IMAGE}", 1)[1]
+    installs = [r for r in re.sub(r"\\\n", " ", runtime).splitlines() if "apt-get install" in r]
+    assert any(re.search(r"--no-install-recommends [^&]*\blibibverbs1\b", r) for r in installs)
+    assert "libibverbs1" in (ROOT / "Makefile").read_text()

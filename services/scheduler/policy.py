@@ -28,8 +28,9 @@ sequence that finishes on the token it was waiting for has one wasted step,
 whose result is dropped; a preemption makes any planned step's result stale
 (`epoch`).
 
-Beam search (select, fork and end beams on these blocks and queues) is in
-beam_steps.py; a prefill worker's sequences that move to a decode worker,
+Accounting for an answered step (tokens appended, sequences finished) is in
+accounting.py; beam search (select, fork and end beams on these blocks and
+queues) in beam_steps.py; a prefill worker's sequences that move to a decode worker,
 and a decode worker's that come from one, in transfer_steps.py.
 
 Speculative decoding (speculation.py): a decoding sequence whose last token is
@@ -43,7 +44,7 @@ import time
 from collections import deque
 
 from services.common.media_parts import MAX_STEP_IMAGE_BYTES
-from services.scheduler.beam import BeamSearch
+from services.scheduler.accounting import Accounting
 from services.scheduler.beam_steps import BeamSteps
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.plan import (  # noqa: F401 - re-exported: the policy's vocabulary
@@ -53,12 +54,12 @@ from services.scheduler.plan import (  # noqa: F401 - re-exported: the policy's 
     StepPlan,
     WorkerCapacity,
 )
-from services.scheduler.sequence import FinishReason, Sequence, SequenceStatus, TokenEvent
+from services.scheduler.sequence import FinishReason, Sequence, SequenceStatus
 from services.scheduler.speculation import SpeculationConfig, Speculator
 from services.scheduler.transfer_steps import TransferSteps
 
 
-class BatchPolicy(BeamSteps, TransferSteps):
+class BatchPolicy(Accounting, BeamSteps, TransferSteps):
     def __init__(self, capacity: WorkerCapacity, max_batch_size: int, max_prefill_tokens: int,
                  speculator: Speculator | None = None):
         self.capacity = capacity
@@ -198,108 +199,6 @@ class BatchPolicy(BeamSteps, TransferSteps):
         for entry in batch:
             self._planned[entry.seq.seq_id] = entry
         return plan
-
-    def postprocess(self, plan: StepPlan, sampled: dict[int, SampledToken], started_us: int,
-                    finished_us: int) -> list[tuple[Sequence, TokenEvent]]:
-        """Commit computed KV, append each sampled token with its statistics, finish what is done."""
-        events = []
-        searches: list[BeamSearch] = []  # beam searches whose every beam has offered
-        self._outstanding.pop(plan.step_id, None)
-        planned, batch_size, block_size = self._planned, len(plan.scheduled), self.blocks.block_size
-        finished = SequenceStatus.FINISHED
-        for entry in plan.scheduled:
-            seq = entry.seq
-            seq_id = seq.seq_id
-            if planned.get(seq_id) is entry:
-                del planned[seq_id]
-            if seq.status is finished or entry.epoch != seq.epoch:  # ended or preempted after planning
-                continue
-            if entry.draft_token_ids:
-                events += self._take_verified(entry, sampled[seq_id], plan, started_us, finished_us)
-                continue
-            seq.num_computed_tokens = computed = entry.num_computed_tokens + entry.num_new_tokens
-            if computed // block_size > len(seq.block_hashes):  # a block filled up: into the prefix cache
-                self.blocks.commit(seq)
-            if not entry.is_sampling:
-                continue
-            if seq.forks:  # its prompt KV is complete: the siblings start from it
-                self._fork(seq)
-            token = sampled[seq_id]
-            last_event_us = seq.last_event_us
-            event = TokenEvent(
-                token.token_id,
-                batch_size,
-                started_us - last_event_us if started_us > last_event_us else 0,
-                (finished_us - last_event_us if finished_us > last_event_us else 0) / 1000.0,
-                token.logprob,
-                token.top_logprobs,
-            )
-            seq.last_event_us = finished_us
-            if seq.beam is not None:
-                seq.beam.offer(seq, list(token.top_logprobs), event)
-                if seq.beam.is_ready and seq.beam not in searches:
-                    searches.append(seq.beam)
-                continue
-            seq.output_token_ids.append(token.token_id)
-            seq.worker_draft, seq.worker_draft_at = token.draft_token_ids, seq.num_tokens
-            if token.logprob is not None:
-                seq.cumulative_logprob += token.logprob
-            self._check_finished(seq, token.token_id)
-            events.append((seq, event))
-            if seq.moves and self.prefill_only:
-                self._prefilled.append(seq)
-            if seq.stopping.thinking_budget is not None and seq.status is not finished:
-                for forced in self._spend_thinking_budget(seq):
-                    # Appended, not sampled: computed with the next step like a prompt chunk.
-                    events.append((seq, TokenEvent(forced, batch_size, 0, 0.0)))
-        for search in searches:
-            if search.is_ready:  # a beam may have been preempted to make room for another search's fork
-                events += self._advance_beams(search)
-        return events
-
-    def _take_verified(self, entry: ScheduledSequence, token: SampledToken, plan: StepPlan, started_us: int,
-                       finished_us: int) -> list[tuple[Sequence, TokenEvent]]:
-        """Append the drafts the worker kept and the token it sampled after them (up to
-        a stop token or max_tokens); give back the blocks taken for the rejected ones.
-        The tokens share the step's batch size, and its queue wait and latency evenly."""
-        seq, kept = entry.seq, token.num_accepted_draft_tokens
-        self.speculator.on_verified(seq, len(entry.draft_token_ids), kept)
-        new_tokens = list(entry.draft_token_ids[:kept]) + [token.token_id]
-        for n, token_id in enumerate(new_tokens):
-            if self._is_stop_token(seq, token_id) or len(seq.output_token_ids) + n + 1 >= seq.stopping.max_tokens:
-                new_tokens = new_tokens[: n + 1]
-                break
-        seq.output_token_ids.extend(new_tokens)
-        seq.num_computed_tokens = min(entry.num_computed_tokens + 1 + kept, seq.num_tokens - 1)
-        self.blocks.commit(seq)
-        self.blocks.shrink(seq, seq.num_tokens)
-        share = len(new_tokens)
-        queue_wait_us = max(0, started_us - seq.last_event_us) // share
-        latency_ms = max(0, finished_us - seq.last_event_us) / 1000.0 / share
-        seq.last_event_us = finished_us
-        seq.worker_draft, seq.worker_draft_at = token.draft_token_ids, seq.num_tokens
-        self._check_finished(seq, new_tokens[-1])
-        return [(seq, TokenEvent(t, plan.batch_size, queue_wait_us, latency_ms)) for t in new_tokens]
-
-    def _spend_thinking_budget(self, seq: Sequence) -> list[int]:
-        """Once the budget is spent inside the think block, append the early-stop
-        tokens (as many as max_tokens leaves room for); returns what was appended."""
-        budget = seq.stopping.thinking_budget
-        if budget is None or seq.is_thinking_done:
-            return []
-        outputs = seq.output_token_ids
-        end = list(budget.end_token_ids)
-        if outputs[-len(end):] == end:
-            seq.is_thinking_done = True
-            return []
-        if len(outputs) < budget.max_tokens:
-            return []
-        seq.is_thinking_done = True
-        forced = list(budget.early_stop_token_ids)[: seq.stopping.max_tokens - len(outputs)]
-        outputs.extend(forced)
-        if len(outputs) >= seq.stopping.max_tokens:
-            self.finish(seq, FinishReason.LENGTH)
-        return forced
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """End a sequence (abort or error): it leaves the queue or batch and its blocks are freed."""
@@ -513,16 +412,3 @@ class BatchPolicy(BeamSteps, TransferSteps):
         self.running.append(seq)
         batch.append(self._schedule_entry(seq, cached, chunk))
         return True
-
-    def _is_stop_token(self, seq: Sequence, token_id: int) -> bool:
-        stopping = seq.stopping
-        is_eos = token_id in self.capacity.eos_token_ids and not stopping.ignore_eos
-        return is_eos or token_id in stopping.stop_token_ids
-
-    def _check_finished(self, seq: Sequence, token_id: int) -> None:
-        stopping = seq.stopping
-        if self._is_stop_token(seq, token_id):
-            seq.ended_by_stop_token = True
-            self.finish(seq, FinishReason.STOP)
-        elif len(seq.output_token_ids) >= stopping.max_tokens:
-            self.finish(seq, FinishReason.LENGTH)

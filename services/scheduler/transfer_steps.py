@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from services.scheduler.block_manager import BlockManager
-from services.scheduler.sequence import FinishReason, Sequence, SequenceStatus
+from services.scheduler.sequence import FinishReason, Sequence
 
 
 class TransferSteps:

@@ -160,24 +160,29 @@ def test_the_scheduler_discovers_the_worker_service(value_set):
     objects = rendered(value_set)
     if of_kind(objects, "LeaderWorkerSet"):
         return  # test_a_worker_that_spans_pods_is_a_leaderworkerset
-    # One scheduler and one worker set per serving group, in group order; the checks pair them.
+    # One scheduler and one worker Service per serving group, in group order; the checks pair them.
+    # Behind each Service, one StatefulSet, or with worker.disaggregation a prefill and a decode pool.
     schedulers = [c for _, c, m in containers(objects) if m == "scheduler"]
     worker_sets = of_kind(objects, "StatefulSet")
-    assert len(schedulers) == len(worker_sets)
-    for scheduler, workers in zip(schedulers, worker_sets):
-        _check_discovery(objects, scheduler, workers)
+    services = list(dict.fromkeys(s["spec"]["serviceName"] for s in worker_sets))
+    assert len(schedulers) == len(services)
+    for scheduler, service in zip(schedulers, services):
+        _check_discovery(objects, scheduler, [s for s in worker_sets if s["spec"]["serviceName"] == service])
 
 
-def _check_discovery(objects, scheduler, workers) -> None:
-    service = named(objects, "Service", workers["spec"]["serviceName"])
-    pod_labels = workers["spec"]["template"]["metadata"]["labels"]
+def _check_discovery(objects, scheduler, worker_sets) -> None:
+    (service,) = {s["spec"]["serviceName"] for s in worker_sets}
+    service = named(objects, "Service", service)
     assert service["spec"]["clusterIP"] == "None"
-    assert service["spec"]["selector"].items() <= pod_labels.items()
-    assert workers["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
-    assert workers["spec"]["podManagementPolicy"] == "Parallel"
     (port,) = service["spec"]["ports"]
-    worker_ports = {p["name"]: p["containerPort"] for p in workers["spec"]["template"]["spec"]["containers"][0]["ports"]}
-    assert worker_ports[port["targetPort"]] == port["port"]
+    for workers in worker_sets:
+        pod_labels = workers["spec"]["template"]["metadata"]["labels"]
+        assert service["spec"]["selector"].items() <= pod_labels.items()
+        assert workers["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+        assert workers["spec"]["podManagementPolicy"] == "Parallel"
+        worker = workers["spec"]["template"]["spec"]["containers"][0]
+        worker_ports = {p["name"]: p["containerPort"] for p in worker["ports"]}
+        assert worker_ports[port["targetPort"]] == port["port"]
     env = container_env(objects, scheduler)
     if env["STORMSERVE_WORKER_DISCOVERY"] == "endpointslices":
         # EndpointSlices carry kubernetes.io/service-name=<Service name>: the one the scheduler watches.
@@ -187,10 +192,11 @@ def _check_discovery(objects, scheduler, workers) -> None:
         assert not service["spec"].get("publishNotReadyAddresses")
         assert "STORMSERVE_WORKER_ADDRESSES" not in env
     else:
+        # Every pod of every set, by its name under the worker Service, set after set.
         addresses = load_config(SchedulerConfig, [], env).worker_addresses
-        name, last = workers["metadata"]["name"], workers["spec"]["replicas"] - 1
-        assert len(addresses) == workers["spec"]["replicas"]
-        assert addresses[-1] == f"{name}-{last}.{name}.{NAMESPACE}.svc:50053"
+        expected = [f"{w['metadata']['name']}-{i}.{service['metadata']['name']}.{NAMESPACE}.svc:50053"
+                    for w in worker_sets for i in range(w["spec"]["replicas"])]
+        assert list(addresses) == expected
         assert service["spec"]["publishNotReadyAddresses"] is True
 
 
@@ -288,9 +294,11 @@ def test_services_target_ports_their_pods_open():
         for service in of_kind(objects, "Service"):
             selected = [w for w in workloads(objects)
                         if service["spec"]["selector"].items() <= w["spec"]["template"]["metadata"]["labels"].items()]
-            # One workload each, but the schedulers' Service, which lists every serving group's scheduler.
-            assert len(selected) == 1 or service["metadata"]["name"] == f"{RELEASE}-stormserve-schedulers", \
-                service["metadata"]["name"]
+            # One workload each, but the schedulers' Service, which lists every serving group's scheduler,
+            # and with worker.disaggregation the worker Services, which list a prefill and a decode pool.
+            pools = {w["spec"]["template"]["metadata"]["labels"].get("stormserve.io/role") for w in selected}
+            assert len(selected) == 1 or service["metadata"]["name"] == f"{RELEASE}-stormserve-schedulers" \
+                or (len(selected) == 2 and pools == {"prefill", "decode"}), service["metadata"]["name"]
             for workload in selected:
                 ports = {p["name"] for c in workload["spec"]["template"]["spec"]["containers"] for p in c["ports"]}
                 for port in service["spec"]["ports"]:

@@ -17,7 +17,10 @@
 {{- end -}}
 
 {{/* The name of one component's objects: <fullname>-<component> (50 + 10 characters leave room for pod suffixes);
-with a "group" (scheduler.groups > 1), <fullname>-<component>-<group>. */}}
+with a "group" (scheduler.groups > 1), <fullname>-<component>-<group>. A component's context is
+(dict "root" $ "component" "worker"), with "group" in a serving group, and for a worker pool of
+worker.disaggregation also "role" (its label) and "values" (the pool's worker values, read in
+place of .Values.worker; worker.yaml). */}}
 {{- define "stormserve.component" -}}
 {{- if hasKey . "group" -}}
 {{- printf "%s-%s-%d" (include "stormserve.fullname" .root) .component (int .group) -}}
@@ -53,10 +56,15 @@ app.kubernetes.io/component: {{ .component }}
 {{- include "stormserve.groupLabel" . }}
 {{- end -}}
 
-{{/* The serving group of a scheduler or worker, when scheduler.groups > 1. */}}
+{{/* The serving group of a scheduler or worker, when scheduler.groups > 1; and the
+role of a worker pool, with worker.disaggregation.enabled (the worker Service, whose
+context has no role, selects both pools). */}}
 {{- define "stormserve.groupLabel" -}}
 {{- if hasKey . "group" }}
 stormserve.io/group: {{ .group | quote }}
+{{- end -}}
+{{- if hasKey . "role" }}
+stormserve.io/role: {{ .role }}
 {{- end -}}
 {{- end -}}
 
@@ -139,7 +147,7 @@ subjects:
 
 {{/* One component's drain timeout in seconds. */}}
 {{- define "stormserve.drainTimeout" -}}
-{{- $c := index .root.Values .component -}}
+{{- $c := get . "values" | default (index .root.Values .component) -}}
 {{- if kindIs "invalid" $c.drainTimeoutSeconds -}}
 {{- .root.Values.drain.timeoutSeconds | int -}}
 {{- else -}}
@@ -154,7 +162,7 @@ subjects:
 
 {{/* The pod-level settings every component shares; call with (dict "root" $ "component" "edge"). */}}
 {{- define "stormserve.podSpecCommon" -}}
-{{- $c := index .root.Values .component -}}
+{{- $c := get . "values" | default (index .root.Values .component) -}}
 {{- with .root.Values.imagePullSecrets }}
 imagePullSecrets:
   {{- toYaml . | nindent 2 }}
@@ -178,7 +186,7 @@ affinity:
 
 {{/* Pod template metadata: selector labels (and .labels, when given), the config checksum (pods restart when the ConfigMap changes), annotations. */}}
 {{- define "stormserve.podMetadata" -}}
-{{- $c := index .root.Values .component -}}
+{{- $c := get . "values" | default (index .root.Values .component) -}}
 metadata:
   labels:
     {{- include "stormserve.componentLabels" . | nindent 4 }}
@@ -200,7 +208,7 @@ metadata:
 
 {{/* Container settings every component shares: image, security, config, drain, scratch mounts. */}}
 {{- define "stormserve.containerCommon" -}}
-{{- $c := index .root.Values .component -}}
+{{- $c := get . "values" | default (index .root.Values .component) -}}
 imagePullPolicy: {{ .root.Values.image.pullPolicy }}
 command: ["python", "-m", "services.{{ .module }}"]
 securityContext:
@@ -223,7 +231,7 @@ lifecycle:
 
 {{/* Env of one container: where it listens, its drain timeout, then its own extra settings. */}}
 {{- define "stormserve.env" -}}
-{{- $c := index .root.Values .component -}}
+{{- $c := get . "values" | default (index .root.Values .component) -}}
 - name: STORMSERVE_HOST
   value: {{ .root.Values.listenHost | quote }}
 - name: STORMSERVE_PORT
@@ -392,16 +400,26 @@ where every container reads it, and what the gRPC services add. */}}
 {{- end -}}
 
 {{/* Static worker list: <sts>-<i>.<headless service>.<namespace>.svc:<port>, one per replica
-(with worker.nodes > 1, the leader pods <lws>-<i> under the LeaderWorkerSet's own headless Service). */}}
+(with worker.nodes > 1, the leader pods <lws>-<i> under the LeaderWorkerSet's own headless Service;
+with worker.disaggregation.enabled, the prefill pool's pods <sts>-prefill-<i>, then the decode pool's). */}}
 {{- define "stormserve.staticWorkers" -}}
 {{- $root := .root -}}
 {{- $name := include "stormserve.component" . -}}
+{{- $sets := list (list $name (int $root.Values.worker.replicas)) -}}
 {{- if gt (int $root.Values.worker.nodes) 1 -}}
 {{- $name = include "stormserve.workerGroupsName" . -}}
+{{- $sets = list (list $name (int $root.Values.worker.replicas)) -}}
+{{- else if $root.Values.worker.disaggregation.enabled -}}
+{{- $sets = list -}}
+{{- range $role := list "prefill" "decode" -}}
+{{- $sets = append $sets (list (printf "%s-%s" $name $role) (int (index $root.Values.worker.disaggregation $role).replicas)) -}}
+{{- end -}}
 {{- end -}}
 {{- $addresses := list -}}
-{{- range $i := until (int $root.Values.worker.replicas) -}}
-{{- $addresses = append $addresses (printf "%s-%d.%s.%s.svc:%d" $name $i $name $root.Release.Namespace (int $root.Values.ports.worker)) -}}
+{{- range $set := $sets -}}
+{{- range $i := until (index $set 1) -}}
+{{- $addresses = append $addresses (printf "%s-%d.%s.%s.svc:%d" (index $set 0) $i $name $root.Release.Namespace (int $root.Values.ports.worker)) -}}
+{{- end -}}
 {{- end -}}
 {{- join "," $addresses -}}
 {{- end -}}
@@ -417,7 +435,7 @@ where every container reads it, and what the gRPC services add. */}}
 
 {{/* A component's resources; a cuda or npu worker's also request its accelerator, count per rank times its ranks (requests = limits, as extended resources need). */}}
 {{- define "stormserve.resources" -}}
-{{- $resources := deepCopy (index .root.Values .component).resources -}}
+{{- $resources := deepCopy (get . "values" | default (index .root.Values .component)).resources -}}
 {{- if eq .component "worker" -}}
 {{- $name := include "stormserve.acceleratorResource" .root -}}
 {{- if $name -}}

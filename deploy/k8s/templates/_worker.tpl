@@ -26,6 +26,20 @@ leaderworkerset.sigs.k8s.io/worker-index: "0"
     - name: STORMSERVE_GROUP_PORT
       value: {{ $root.Values.worker.groupPort | quote }}
     {{- end }}
+    {{- if hasKey . "role" }}
+    # The pool's role (worker.disaggregation); the scheduler reads it from Describe.
+    - name: STORMSERVE_ROLE
+      value: {{ .role | quote }}
+    - name: POD_IP
+      valueFrom:
+        fieldRef:
+          fieldPath: status.podIP
+    {{- if not (hasKey .values.env "KV_TRANSFER_HOST") }}
+    # Where the other workers' transfer engines reach this one's (on a port it picks).
+    - name: STORMSERVE_KV_TRANSFER_HOST
+      value: $(POD_IP)
+    {{- end }}
+    {{- end }}
   ports:
     - name: grpc
       containerPort: {{ $root.Values.ports.worker }}

@@ -13,14 +13,16 @@ seconds and until the last long prompt has answered; then the streams are cut.
 
 Rounds alternate which chain goes first; both chains of a round get the same
 prompts (each has its own caches). Per level and chain it prints the medians
-over rounds of: the streams' ITL p50 and p90 (gaps between SSE content
-chunks, as bench.serve measures them), their TTFT p50, the long prompts' TTFT
-p50 and p90, output tokens/s (every request's tokens over the run) and all
-tokens/s (prompt and output tokens the scheduler counted over the run: the
-work done, the long prompts most of it); beside each, the median of the per-round ratios 1P1D / colocated. From
-the 1P1D scheduler's /metrics it reports the transfers: blocks moved (bytes
-over one block's bytes), bytes and seconds per block (the SendBlocks
-duration histogram's sum over the blocks). JSON per run under `--out-dir`.
+over rounds of: the streams' ITL p50, p90 and p99 (gaps between SSE content
+chunks, as bench.serve measures them; a prefill stalls the decodes for a few
+steps in hundreds, so it shows at p99 before p90), their TTFT p50, the long
+prompts' TTFT p50 and p90, output tokens/s (every request's tokens over the
+run) and all tokens/s (prompt and output tokens the scheduler counted over
+the run: the work done, the long prompts most of it); beside each, the median
+of the per-round ratios 1P1D / colocated. From the 1P1D scheduler's /metrics
+it reports the transfers: blocks moved (bytes over one block's bytes), bytes
+and seconds per block (the SendBlocks duration histogram's sum over the
+blocks). JSON per run under `--out-dir`.
 """
 from __future__ import annotations
 
@@ -235,6 +237,17 @@ def transfer_figures(before: dict[str, float], after: dict[str, float], block_by
             **{o: delta[f"outcome:{o}"] for o in OUTCOMES}}
 
 
+def transfer_line(transfers: list[dict], block_bytes: int) -> str:
+    """The KV transfers of the 1P1D runs in a line: the medians over the runs that moved blocks."""
+    moved = [t for t in transfers if t["blocks"] and t["transfers"]]
+    median = lambda key: statistics.median(t[key] for t in moved)  # noqa: E731
+    blocks_each = statistics.median(t["blocks"] / t["transfers"] for t in moved)
+    outcomes = ", ".join(f"{o} {sum(t[o] for t in transfers):.0f}" for o in OUTCOMES)
+    return (f"KV transfers (1P1D, medians of {len(moved)} runs): {median('ms_per_block'):.2f} ms per block of "
+            f"{block_bytes:,} bytes ({block_bytes / 1e6 / (median('ms_per_block') / 1000):.0f} MB/s), "
+            f"{median('ms_per_transfer'):.0f} ms per transfer of {blocks_each:.0f} blocks; outcomes: {outcomes}")
+
+
 def block_bytes_of(log_dir: Path) -> int:
     """One KV block's bytes, from the worker's log line 'KV cache: N blocks x B tokens ... P bytes per token'."""
     for path in sorted(log_dir.glob("worker*")):
@@ -247,6 +260,7 @@ def block_bytes_of(log_dir: Path) -> int:
 # --- the table -----------------------------------------------------------------------------------
 
 FIGURES = (("itl_s", "p50", "ITL p50", 1000, "ms"), ("itl_s", "p90", "ITL p90", 1000, "ms"),
+           ("itl_s", "p99", "ITL p99", 1000, "ms"),
            ("stream_ttft_s", "p50", "stream TTFT p50", 1, "s"), ("long_ttft_s", "p50", "long TTFT p50", 1, "s"),
            ("long_ttft_s", "p90", "long TTFT p90", 1, "s"), ("tok_s", None, "tok/s", 1, ""),
            ("all_tok_s", None, "all tok/s", 1, ""))
@@ -363,14 +377,8 @@ def main() -> None:
             chain.stop()
     rows = summary(results)
     print_table(rows)
-    moved = [t for t in transfers if t["blocks"]]
-    if moved:
-        print(f"KV transfers (1P1D, {len(moved)} runs, medians): {statistics.median(t['bytes_per_block'] for t in moved):,.0f}"
-              f" bytes and {statistics.median(t['ms_per_block'] for t in moved):.3f} ms per block "
-              f"({block_bytes:,} bytes a block), {statistics.median(t['ms_per_transfer'] for t in moved):.1f} ms per "
-              f"transfer of {statistics.median(t['blocks'] / t['transfers'] for t in moved if t['transfers']):.0f} "
-              f"blocks; outcomes over all runs: "
-              + ", ".join(f"{o} {sum(t[o] for t in transfers):.0f}" for o in OUTCOMES))
+    if any(t["blocks"] for t in transfers):
+        print(transfer_line(transfers, block_bytes))
     (work / "summary.json").write_text(json.dumps({"args": vars(args), "rows": rows, "transfers": transfers,
                                                    "block_bytes": block_bytes}, indent=1))
     print(f"runs and logs in {work}", file=sys.stderr)

@@ -38,6 +38,9 @@ def test_counters_and_transfer_figures_per_block():
     assert abs(figures["ms_per_block"] - 10.0) < 1e-9 and abs(figures["ms_per_transfer"] - 200 / 3) < 1e-9
     assert figures["sent"] == 3 and figures["recomputed"] == 1
     assert dis.transfer_figures(before, before, 368640)["ms_per_block"] == 0.0
+    line = dis.transfer_line([figures, dis.transfer_figures(before, before, 368640)], 368640)
+    assert "medians of 1 runs): 10.00 ms per block of 368,640 bytes (37 MB/s), 67 ms per transfer of 7 blocks" in line
+    assert line.endswith("outcomes: sent 3, retried 0, recomputed 1, kept 0")
 
 
 def test_block_bytes_from_the_workers_log(tmp_path):
@@ -48,7 +51,7 @@ def test_block_bytes_from_the_workers_log(tmp_path):
 
 
 def run(streams: int, ttft: float, tok_s: float) -> dict:
-    return {"itl_s": {"p50": 0.05, "p90": 0.1 * streams}, "stream_ttft_s": {"p50": ttft},
+    return {"itl_s": {"p50": 0.05, "p90": 0.1 * streams, "p99": 0.2 * streams}, "stream_ttft_s": {"p50": ttft},
             "long_ttft_s": {"p50": 2 * ttft, "p90": 3 * ttft}, "tok_s": tok_s, "all_tok_s": 2 * tok_s}
 
 

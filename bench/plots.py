@@ -352,12 +352,78 @@ def draw_timeline(fig: Figure, fs: dict) -> str:
     return f"before: {fs['peer']}; after: {fs['build']}"
 
 
+# --- colocated against disaggregated prefill and decode (bench.disaggregation) ------------------
+
+def draw_disaggregation(fig: Figure, fs: dict) -> str:
+    rows = records(fs)
+    base, split = fs["labels"]["base"], fs["labels"]["split"]
+    rounds = list(dict.fromkeys(r["round"] for r in rows))
+    levels = sorted({r["streams"] for r in rows})
+    by = {(r["round"], r["chain"], r["streams"]): r for r in rows}
+
+    def values(chain: str, level: int, key: str) -> list[float]:
+        return [by[rd, chain, level][key] for rd in rounds if (rd, chain, level) in by]
+
+    def ratio(level: int, key: str) -> float:
+        return statistics.median(by[rd, split, level][key] / by[rd, base, level][key] for rd in rounds)
+
+    panels = (("streams' ITL (ms, log): p50 bars", [("itl_p50_ms", "itl_p90_ms", "")], True),
+              ("long prompts' TTFT p50 (s)", [("long_ttft_p50_s", "long_ttft_p90_s", "")], False),
+              ("streams' TTFT p50 (s)", [("stream_ttft_p50_s", None, "")], False),
+              ("tokens/s", [("tok_s", None, "output"), ("all_tok_s", None, "all")], False))
+    width = 0.38
+    for ax, (ylabel, keys, log) in zip(fig.subplots(1, 4), panels):
+        ticks, top = [], 0.0
+        for k, (key, p90_key, name) in enumerate(keys):
+            for j, level in enumerate(levels):
+                x0 = k * len(levels) + j
+                ticks.append((x0, f"{name}\n{_levels(level)}" if name else _levels(level)))
+                for i, (chain, color) in enumerate(((base, PEER), (split, OURS))):
+                    x = x0 + (i - 0.5) * width
+                    spread = values(chain, level, key)
+                    median = statistics.median(spread)
+                    ax.bar(x, median, width, color=color, label=chain if k == j == 0 else None,
+                           yerr=[[median - min(spread)], [max(spread) - median]] if len(rounds) > 1 else None,
+                           capsize=3, error_kw={"elinewidth": 0.8, "ecolor": "#333333"})
+                    mark = median
+                    if p90_key:
+                        mark = statistics.median(values(chain, level, p90_key))
+                        ax.scatter([x], [mark], marker="_", s=160, color="black", zorder=3,
+                                   label="p90" if k == j == i == 0 else None)
+                    if chain == split:
+                        _label(ax, x, max(mark, max(spread)), _times(ratio(level, key)), fontweight="bold",
+                               color=OURS)
+                    if key == "itl_p50_ms":  # where a prefill's stall of the decodes shows first
+                        mark = statistics.median(values(chain, level, "itl_p99_ms"))
+                        ax.scatter([x], [mark], marker="x", s=40, color="black", zorder=3,
+                                   label="p99" if k == j == i == 0 else None)
+                        if chain == split:
+                            _label(ax, x, mark * 1.15, f"p99 {_times(ratio(level, 'itl_p99_ms'))}",
+                                   fontweight="bold", color=OURS, fontsize=8)
+                    top = max(top, mark, max(spread))
+        ax.set_xticks([t for t, _ in ticks], [name for _, name in ticks], fontsize=9)
+        ax.set_ylabel(ylabel)
+        if log:
+            ax.set_yscale("log")
+            ax.set_ylim(top=top * 3)
+        else:
+            ax.set_ylim(0, top * 1.2)
+        ax.grid(axis="y", alpha=0.3)
+    handles, labels = fig.axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper center", ncol=4, bbox_to_anchor=(0.5, 0.93), frameon=False)
+    t = fs["transfer"]
+    return (f"bars: medians over rounds ({', '.join(map(str, rounds))}); whiskers: range; ×: {split} ÷ {base}, "
+            f"median of the per-round ratios; 'all': prompt and output tokens the scheduler counted. KV transfer "
+            f"({split}): {t['bytes_per_block']:,} bytes and {t['ms_per_block']:.1f} ms a block, "
+            f"{t['ms_per_transfer']:.0f} ms a transfer of {t['blocks_per_transfer']:.0f} blocks (median of the runs)")
+
+
 # A figure set's `kind` picks its drawer: it draws the set on an empty figure and
 # returns the line under it that says how to read it.
 DRAWERS: dict[str, Callable[[Figure, dict], str]] = {
     "peers": draw_peers, "endpoints": draw_endpoints, "paired_ratios": draw_paired_ratios,
     "kernel_ab": draw_kernel_ab, "floors": draw_floors, "step_sides": draw_step_sides, "ab_rounds": draw_ab_rounds,
-    "cpu_bound": draw_cpu_bound, "timeline": draw_timeline,
+    "cpu_bound": draw_cpu_bound, "timeline": draw_timeline, "disaggregation": draw_disaggregation,
 }
 
 
@@ -370,7 +436,7 @@ def draw(fs: dict, out_dir: Path) -> Path:
         footer = [*textwrap.wrap(how_to_read, 165), f"{fs['date']} · {fs['cpu']}"]
         for i, line in enumerate(reversed(footer)):
             fig.text(0.01, 0.01 + 0.027 * i, line, fontsize=8, color="#333333")
-        top = 0.87 if fs["kind"] == "peers" else 0.93
+        top = 0.87 if fs["kind"] in ("peers", "disaggregation") else 0.93
         fig.tight_layout(rect=(0, 0.015 + 0.027 * len(footer), 1, top))
         path = out_dir / f"{fs['id']}.png"
         fig.savefig(path, dpi=DPI, metadata={"Software": None})

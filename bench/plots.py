@@ -372,12 +372,13 @@ def draw_disaggregation(fig: Figure, fs: dict) -> str:
               ("streams' TTFT p50 (s)", [("stream_ttft_p50_s", None, "")], False),
               ("tokens/s", [("tok_s", None, "output"), ("all_tok_s", None, "all")], False))
     width = 0.38
-    for ax, (ylabel, keys, log) in zip(fig.subplots(1, 4), panels):
+    axes = fig.subplots(1, 4, gridspec_kw={"width_ratios": (1, 1, 1, 1.8)})
+    for ax, (ylabel, keys, log) in zip(axes, panels):
         ticks, top = [], 0.0
         for k, (key, p90_key, name) in enumerate(keys):
             for j, level in enumerate(levels):
                 x0 = k * len(levels) + j
-                ticks.append((x0, f"{name}\n{_levels(level)}" if name else _levels(level)))
+                ticks.append((x0, f"{name}\n{level}" if name else str(level)))
                 for i, (chain, color) in enumerate(((base, PEER), (split, OURS))):
                     x = x0 + (i - 0.5) * width
                     spread = values(chain, level, key)
@@ -392,7 +393,7 @@ def draw_disaggregation(fig: Figure, fs: dict) -> str:
                                    label="p90" if k == j == i == 0 else None)
                     if chain == split:
                         _label(ax, x, max(mark, max(spread)), _times(ratio(level, key)), fontweight="bold",
-                               color=OURS)
+                               color=OURS, fontsize=9 if len(keys) == 1 else 8)
                     if key == "itl_p50_ms":  # where a prefill's stall of the decodes shows first
                         mark = statistics.median(values(chain, level, "itl_p99_ms"))
                         ax.scatter([x], [mark], marker="x", s=40, color="black", zorder=3,
@@ -402,6 +403,7 @@ def draw_disaggregation(fig: Figure, fs: dict) -> str:
                                    fontweight="bold", color=OURS, fontsize=8)
                     top = max(top, mark, max(spread))
         ax.set_xticks([t for t, _ in ticks], [name for _, name in ticks], fontsize=9)
+        ax.set_xlabel("streams", fontsize=9)
         ax.set_ylabel(ylabel)
         if log:
             ax.set_yscale("log")

@@ -44,6 +44,18 @@ def records(figure_set: dict) -> list[dict]:
     return [dict(zip(figure_set["columns"], row)) for row in figure_set["rows"]]
 
 
+
+def _value_axis(ax, ylabel: str, top: float, log: bool, log_headroom: float) -> None:
+    """A panel's value axis up to `top` with room for the labels above the
+    bars: log scale with `log_headroom` times top, else linear from 0."""
+    ax.set_ylabel(ylabel)
+    if log:
+        ax.set_yscale("log")
+        ax.set_ylim(top=top * log_headroom)
+    else:
+        ax.set_ylim(0, top * 1.2)
+    ax.grid(axis="y", alpha=0.3)
+
 def _label(ax, x: float, y: float, text: str, **kw) -> None:
     ax.annotate(text, (x, y), xytext=(0, 3), textcoords="offset points", ha="center", va="bottom",
                 fontsize=kw.pop("fontsize", 9), **kw)
@@ -101,13 +113,7 @@ def draw_peers(fig: Figure, fs: dict) -> str:
             _label(ax, len(levels) - 1 + width, max(values(engine, last, key)),
                    f"chain ÷ engine\n{_times(ratio(ours, engine, last, key))}", color=GREY, fontsize=8)
         ax.set_xticks(range(len(levels)), [_levels(lv) for lv in levels])
-        ax.set_ylabel(ylabel)
-        if log:
-            ax.set_yscale("log")
-            ax.set_ylim(top=top * 2.5)
-        else:
-            ax.set_ylim(0, top * 1.2)
-        ax.grid(axis="y", alpha=0.3)
+        _value_axis(ax, ylabel, top, log, log_headroom=2.5)
     handles, labels = fig.axes[1].get_legend_handles_labels()
     order = sorted(range(len(labels)), key=lambda i: labels[i] == "p90")  # the servers first
     handles, labels = [handles[i] for i in order], [labels[i] for i in order]
@@ -404,13 +410,7 @@ def draw_disaggregation(fig: Figure, fs: dict) -> str:
                     top = max(top, mark, max(spread))
         ax.set_xticks([t for t, _ in ticks], [name for _, name in ticks], fontsize=9)
         ax.set_xlabel("streams", fontsize=9)
-        ax.set_ylabel(ylabel)
-        if log:
-            ax.set_yscale("log")
-            ax.set_ylim(top=top * 3)
-        else:
-            ax.set_ylim(0, top * 1.2)
-        ax.grid(axis="y", alpha=0.3)
+        _value_axis(ax, ylabel, top, log, log_headroom=3)
     handles, labels = fig.axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="upper center", ncol=4, bbox_to_anchor=(0.5, 0.93), frameon=False)
     t = fs["transfer"]

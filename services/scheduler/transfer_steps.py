@@ -83,6 +83,7 @@ class TransferSteps:
     def received(self, seq: Sequence, transferred: bool) -> None:
         """Into the batch: from its prompt computed (`transferred`) or from its prefix hit."""
         self._receiving.pop(seq.seq_id)
+        seq.moves = False  # here to stay: planned ahead as any decode
         if transferred:
             seq.num_computed_tokens = seq.num_prompt_tokens
             self.blocks.commit(seq)

@@ -175,36 +175,22 @@ def test_without_room_on_a_decode_worker_it_decodes_where_it_was_prefilled(monke
     asyncio.run(scenario())
 
 
-def test_a_decode_worker_lost_while_its_kv_moves_leaves_it_where_it_was():
+@pytest.mark.parametrize("lost", ["decode", "prefill"])
+def test_a_worker_lost_while_its_kv_moves_leaves_it_to_the_other(lost):
     async def scenario():
         pair = Pair()
         pair.client.hold = asyncio.Event()
         seq = make_seq(1, prompt_len=10, max_tokens=8)
         pair.prefill(seq)
         await asyncio.sleep(0.01)
-        pair.d._new_policy(pair.d.policy.capacity)  # the decode worker came back empty
+        gone = pair.d if lost == "decode" else pair.p
+        gone._new_policy(gone.policy.capacity)  # it came back empty
         pair.client.hold.set()
         await pair.settle()
-        assert pair.p.delivers(seq.request_id) and not seq.moves
-        while pair.p.policy.has_work():
-            run_step(pair.p.policy, pair.p_worker)
-        assert seq.output_token_ids == colocated(1, prompt_len=10, max_tokens=8)
-
-    asyncio.run(scenario())
-
-
-def test_a_prefill_worker_lost_while_its_kv_moves_leaves_it_to_the_decode_worker():
-    async def scenario():
-        pair = Pair()
-        pair.client.hold = asyncio.Event()
-        seq = make_seq(1, prompt_len=10, max_tokens=8)
-        pair.prefill(seq)
-        await asyncio.sleep(0.01)
-        pair.p._new_policy(pair.p.policy.capacity)  # the prefill worker came back empty
-        pair.client.hold.set()
-        await pair.settle()
-        assert pair.d.delivers(seq.request_id)
-        pair.decode_to_end()
+        other, worker = (pair.p, pair.p_worker) if lost == "decode" else (pair.d, pair.d_worker)
+        assert other.delivers(seq.request_id) and not seq.moves
+        while other.policy.has_work():
+            run_step(other.policy, worker)
         assert seq.output_token_ids == colocated(1, prompt_len=10, max_tokens=8)
 
     asyncio.run(scenario())
@@ -222,5 +208,20 @@ def test_a_draining_prefill_worker_sends_what_it_holds_and_then_holds_nothing():
         plan = pair.p.policy.schedule()  # the release that lets the worker's drain end
         assert plan is not None and plan.release_seq_ids == [1] and not plan.scheduled
         assert pair.p.load == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_received_sequence_is_planned_ahead_as_any_decode():
+    async def scenario():
+        pair = Pair()
+        seq = make_seq(1, prompt_len=10, max_tokens=8)
+        pair.prefill(seq)
+        await pair.settle()
+        policy = pair.d.policy
+        first = policy.schedule()  # feeds the first token
+        ahead = policy.schedule()  # planned while the first runs
+        assert [e.seq for e in first.scheduled] == [seq] and not first.scheduled[0].feeds_last_sampled
+        assert [e.seq for e in ahead.scheduled] == [seq] and ahead.scheduled[0].feeds_last_sampled
 
     asyncio.run(scenario())

@@ -23,18 +23,19 @@ def pytest_collection_modifyitems(items):
 
 @contextlib.contextmanager
 def running_chain(log_dir, num_workers: int = 1, env: dict[str, str] | None = None, envoy=None,
-                  health_ports: dict[str, int] | None = None):
+                  health_ports: dict[str, int] | None = None, worker_roles: list[str] | None = None):
     """The chain on free ports, yielded as (chain, scheduler stub) once /health
     answers and every worker is ready; stopped afterwards.
 
     Workers get a 1 GiB KV pool unless `env` says otherwise: the automatic
     budget (several GiB, touched at start) is more than any test needs, and
     several chains run at once. `envoy` (an EnvoyConfig) puts Envoy in front;
-    `health_ports` gives processes (by name) a plaintext health-only port."""
+    `health_ports` gives processes (by name) a plaintext health-only port;
+    `worker_roles` each worker's role (prefill, decode or both)."""
     env = {"STORMSERVE_KV_CACHE_MIB": "1024", **(env or {})}
     chain = Chain(edge_port=free_port(), tokenizer_port=free_port(), scheduler_port=free_port(),
                   worker_ports=[free_port() for _ in range(num_workers)], env=env, log_dir=log_dir,
-                  envoy=envoy, health_ports=dict(health_ports or {}))
+                  envoy=envoy, health_ports=dict(health_ports or {}), worker_roles=list(worker_roles or []))
     chain.start()
     channel = scheduler_channel(chain)
     try:

@@ -15,9 +15,8 @@ import time
 import psutil
 import pytest
 
-from services.common.supervisor import Chain, free_port
-from stormserve.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
-from tests.e2e.conftest import load_reader, scheduler_channel, scrape, total
+from stormserve.scheduler.v1 import scheduler_pb2
+from tests.e2e.conftest import load_reader, running_chain, scrape, total
 from tests.e2e.test_multi_sequence_e2e import collect, generate_request
 
 pytest.importorskip("mooncake.engine", reason="Mooncake's transfer engine (make setup installs it)")
@@ -29,25 +28,10 @@ PROMPTS = [list(range(2000 + 7 * i, 2000 + 7 * i + 70)) for i in range(3)]
 
 
 def disaggregated(tmp_path_factory, name: str, env: dict[str, str] | None = None):
-    log_dir = tmp_path_factory.mktemp(name)
-    chain = Chain(edge_port=free_port(), tokenizer_port=free_port(), scheduler_port=free_port(),
-                  worker_ports=[free_port(), free_port()], worker_roles=["prefill", "decode"],
-                  env={"STORMSERVE_KV_CACHE_MIB": "256", "STORMSERVE_DTYPE": "float32", **(env or {})},
-                  log_dir=log_dir)
-    channel = scheduler_channel(chain)
-    try:
-        chain.start()
-        chain.wait_ready(timeout_s=600)
-        stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
-        deadline = time.monotonic() + 600
-        while load_reader(stub)().num_workers_ready < 2:
-            assert time.monotonic() < deadline, "the prefill and decode workers did not both become ready"
-            time.sleep(0.5)
-        yield chain, stub
-    finally:
-        chain.stop()
-        channel.close()
-        print(f"{name} logs: {log_dir}")
+    env = {"STORMSERVE_KV_CACHE_MIB": "256", "STORMSERVE_DTYPE": "float32", **(env or {})}
+    with running_chain(tmp_path_factory.mktemp(name), num_workers=2, env=env,
+                       worker_roles=["prefill", "decode"]) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")

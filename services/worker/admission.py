@@ -27,7 +27,7 @@ from services.worker.sequence import Refusal, SequenceInput, SequenceRefused
 from services.worker.vision import VisionLanguageDecoder, images_refusal
 
 if TYPE_CHECKING:
-    from services.worker.model_runner import SequenceState
+    from services.worker.sequence_state import SequenceState
 
 # The refusal of a sequence the worker does not hold and is not told how to start:
 # in practice, one whose first step it refused, in the step planned after that one.

@@ -71,7 +71,7 @@ class Handoff:
                 if target.policy is not target_policy or not target.is_ready:  # lost meanwhile
                     target, outcome = None, "kept"
             if seq.is_finished:  # aborted meanwhile: what the decode worker reserved goes
-                if target_policy is not None and target_policy is (target.policy if target else None):
+                if target is not None:
                     target_policy.drop_received(seq)
                 return
             deliver = source.take_delivery(seq.request_id)
@@ -154,9 +154,4 @@ class Handoff:
 
     def _gauge(self):
         return self.metrics.kv_transfers_in_flight.labels(self.metrics.model_name) if self.metrics else None
-
-    async def stop(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
 

@@ -47,7 +47,7 @@ class Router:
 
     def add(self, engine: EngineLoop) -> None:
         engine.admit = lambda info: self._refusal(engine, info)
-        engine.on_prefilled = lambda source, seqs: self.handoff.on_prefilled(source, seqs)
+        engine.on_prefilled = self.handoff.on_prefilled
         self.engines.append(engine)
 
     def remove(self, engine: EngineLoop) -> None:

@@ -52,12 +52,14 @@ class TransferSteps:
     def sending_table(self, seq: Sequence) -> list[int]:
         return self._sending[seq.seq_id][0]
 
-    def sent(self, seq: Sequence) -> None:
-        """Its KV is on the decode worker (or will be recomputed there): free it here."""
+    def sent(self, seq: Sequence) -> bool:
+        """Its KV is on the decode worker (or will be recomputed there): free it
+        here. False if it was not being sent from here."""
         held = self._sending.pop(seq.seq_id, None)
         if held is not None:
             self.blocks.release(held[0])
             self._to_release.append(seq.seq_id)
+        return held is not None
 
     def keep(self, seq: Sequence) -> None:
         """No decode worker can take it: it decodes here after all."""
@@ -90,17 +92,14 @@ class TransferSteps:
         seq.is_sent_to_worker = False
         self.running.append(seq)
 
-    def drop_received(self, seq: Sequence) -> None:
-        """It ended while its KV was sent here: the blocks reserved for it go."""
-        if self._receiving.pop(seq.seq_id, None) is not None:
+    def drop_received(self, seq: Sequence) -> bool:
+        """It ended while its KV was sent here: the blocks reserved for it go.
+        False if it was not being received here."""
+        received = self._receiving.pop(seq.seq_id, None) is not None
+        if received:
             self.blocks.free(seq)
+        return received
 
     def _finish_moving(self, seq: Sequence) -> bool:
         """Finish a sequence being sent or received (abort): its blocks go."""
-        if seq.seq_id in self._sending:
-            self.sent(seq)
-            return True
-        if self._receiving.pop(seq.seq_id, None) is not None:
-            self.blocks.free(seq)
-            return True
-        return False
+        return self.sent(seq) or self.drop_received(seq)

@@ -80,7 +80,7 @@ async def serve(config: WorkerConfig, log: logging.Logger) -> None:
     try:
         await servicer.load(functools.partial(load_runner, config))
         if config.role != "both":
-            servicer.attach(servicer.runner, config.role, start_transfer(config, servicer.runner))
+            servicer.attach_transfer(config.role, start_transfer(config, servicer.runner))
             log.info("role %s: KV blocks move with Mooncake's transfer engine", config.role)
     except ValueError as exc:  # a model, format or setting refused by name: one line, not a traceback
         log.critical("cannot serve %s: %s", config.model_path or "the bundled model", exc)

@@ -69,13 +69,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         """Run `loader` (load, warm up) on the step thread, then serve its runner."""
         self.attach(await asyncio.get_running_loop().run_in_executor(self._executor, loader))
 
-    def attach(self, runner: ModelRunner, role: str = "both", transfer: KVTransfer | None = None) -> None:
-        """Serve `runner`; a prefill or decode worker also its pool's `transfer`."""
-        self._runner, self._transfer = runner, transfer
+    def attach(self, runner: ModelRunner) -> None:
+        self._runner = runner
         self._description = convert.describe_to_proto(runner.describe())
+
+    def attach_transfer(self, role: str, transfer: KVTransfer) -> None:
+        """A prefill or decode worker's: its pool's transfer engine, and its role, in Describe."""
+        assert self._description is not None, "attach the runner first"
+        self._transfer = transfer
         self._description.role = role
-        if transfer is not None:
-            convert.pool_to_proto(transfer.describe(), self._description.kv_pool)
+        convert.pool_to_proto(transfer.describe(), self._description.kv_pool)
 
     @property
     def runner(self) -> ModelRunner | None:

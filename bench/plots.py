@@ -420,12 +420,38 @@ def draw_disaggregation(fig: Figure, fs: dict) -> str:
             f"{t['ms_per_transfer']:.0f} ms a transfer of {t['blocks_per_transfer']:.0f} blocks (median of the runs)")
 
 
+# --- one answer's time, idle and beside a busy process, per setting ------------------------------
+
+def draw_neighbour(fig: Figure, fs: dict) -> str:
+    rows = records(fs)
+    settings = list(dict.fromkeys(r["setting"] for r in rows))
+    by = {(r["setting"], r["load"]): r for r in rows}
+    ax = fig.subplots()
+    for offset, (load, color) in zip((-0.2, 0.2), (("idle", ENGINE), ("busy", OURS))):
+        xs = [i + offset for i in range(len(settings))]
+        medians = [by[name, load]["median_s"] for name in settings]
+        p90s = [by[name, load]["p90_s"] for name in settings]
+        ax.bar(xs, medians, 0.4, color=color, label=fs["labels"][load])
+        ax.errorbar(xs, medians, yerr=[[0] * len(xs), [p - m for p, m in zip(p90s, medians)]], fmt="none",
+                    ecolor="black", capsize=4, linewidth=1)
+        base = by[settings[0], load]["median_s"]
+        for x, m in zip(xs, medians):
+            _label(ax, x, m, f"{m:.2f} s\n{_times(m / base)}", fontsize=8)
+    _value_axis(ax, f"seconds for {fs['max_tokens']} tokens (median; whisker: p90)",
+                max(r["p90_s"] for r in rows), log=True, log_headroom=4)
+    ax.set_xticks(range(len(settings)), settings)
+    ax.legend(loc="upper right", fontsize=9)
+    ax.grid(axis="y", alpha=0.3)
+    return f"ratios to {settings[0]} under the same load (medians of all rounds)"
+
+
 # A figure set's `kind` picks its drawer: it draws the set on an empty figure and
 # returns the line under it that says how to read it.
 DRAWERS: dict[str, Callable[[Figure, dict], str]] = {
     "peers": draw_peers, "endpoints": draw_endpoints, "paired_ratios": draw_paired_ratios,
     "kernel_ab": draw_kernel_ab, "floors": draw_floors, "step_sides": draw_step_sides, "ab_rounds": draw_ab_rounds,
     "cpu_bound": draw_cpu_bound, "timeline": draw_timeline, "disaggregation": draw_disaggregation,
+    "neighbour": draw_neighbour,
 }
 
 

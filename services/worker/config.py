@@ -45,7 +45,7 @@ class WorkerConfig(InternalTlsSettings):
                                alias="maxSeqLen")
     num_threads: int = setting(
         0, "torch intra-op CPU threads of the worker, split evenly between its tensor-parallel ranks "
-        "(at least one each); 0 = torch default (the cores it may use)")
+        "(at least one each); 0 = the cores it may use (its CPU affinity, capped by its cgroup's CPU quota)")
     tensor_parallel_size: int = setting(
         1, "ranks (processes, one device each) the model is split over; rank 0 serves. In a group of pods "
         "(LeaderWorkerSet: LWS_GROUP_SIZE > 1) the whole group's: each pod runs tensor_parallel_size / "

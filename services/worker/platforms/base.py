@@ -181,11 +181,42 @@ class Platform:
         """Bind this process to its device of the tensor-parallel group."""
 
     def set_num_threads(self, num_threads: int, num_ranks: int) -> None:
-        """Give this rank its share of the worker's `num_threads` (0: torch's default,
-        the cores this process may use), at least one: the ranks of a group on one
+        """Give this rank its share of the worker's `num_threads` (0: the cores this
+        process may use, usable_cpus), at least one: the ranks of a group on one
         host would otherwise each start a full thread team and wait on each other."""
-        if num_threads > 0 or num_ranks > 1:
-            torch.set_num_threads(max(1, (num_threads or torch.get_num_threads()) // num_ranks))
+        threads = max(1, (num_threads or min(torch.get_num_threads(), usable_cpus())) // num_ranks)
+        if threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
+
+
+def usable_cpus() -> int:
+    """The cores this process may use: its CPU affinity, capped by its cgroup's
+    CPU quota rounded down (a container's CPU limit; torch counts the host's
+    cores, and a thread team larger than the quota stalls whenever the quota
+    runs out mid-step)."""
+    cpus = len(os.sched_getaffinity(0))
+    quota = cgroup_cpu_quota()
+    return max(1, min(cpus, int(quota))) if quota is not None else cpus
+
+
+def cgroup_cpu_quota(root: str = "/sys/fs/cgroup") -> float | None:
+    """CPUs' worth of time per period the cgroup allows (cgroup v2's cpu.max,
+    else v1's cfs quota and period); None where unlimited or unreadable."""
+    for quota_file, period_file in ((f"{root}/cpu.max", None),
+                                    (f"{root}/cpu/cpu.cfs_quota_us", f"{root}/cpu/cpu.cfs_period_us")):
+        try:
+            with open(quota_file) as file:
+                fields = file.read().split()
+            if period_file is not None:
+                with open(period_file) as file:
+                    fields.append(file.read().strip())
+        except OSError:
+            continue
+        quota, period = fields[0], fields[1]
+        if quota in ("max", "-1"):
+            return None
+        return int(quota) / int(period)
+    return None
 
 
 def host_available_memory() -> int:

@@ -23,7 +23,7 @@ from services.worker.follower import build_runner
 from services.worker.guided import GrammarSpec
 from services.worker.model_runner import ModelRunner
 from services.worker.parallel import TensorParallel, balanced_range
-from services.worker.platforms import select_platform
+from services.worker.platforms import base as platforms_base, select_platform
 from services.worker.sequence import SamplingParams
 from tests.moe_models import FAMILIES, reference_model
 from tests.unit.worker.block_tables import BlockTables
@@ -51,6 +51,7 @@ def test_the_ranks_of_a_worker_share_its_threads(num_threads, num_ranks, expecte
     set_to = []
     monkeypatch.setattr(torch, "get_num_threads", lambda: 6)
     monkeypatch.setattr(torch, "set_num_threads", set_to.append)
+    monkeypatch.setattr(platforms_base, "usable_cpus", lambda: 6)
     select_platform("cpu").set_num_threads(num_threads, num_ranks)
     assert (set_to or [torch.get_num_threads()]) == [expected]
 

@@ -10,6 +10,8 @@ from services.common.tls import InternalTlsSettings, check_internal_tls, health_
 from services.common.model_files import DEFAULT_MODEL_NAME
 from services.scheduler.speculation import METHODS, SpeculationConfig
 
+DEFAULT_KV_TRANSFER_TIMEOUT_S = 60.0
+
 
 @dataclass(frozen=True)
 class SchedulerConfig(InternalTlsSettings):
@@ -49,7 +51,7 @@ class SchedulerConfig(InternalTlsSettings):
         24, "drafted tokens one step may carry, less one per running sequence (0 drafts from that many on)")
     health_port: int = health_port_setting()
     kv_transfer_timeout_s: float = setting(
-        60.0, "prefill/decode disaggregation: how long one SendBlocks call may take before it counts as failed "
+        DEFAULT_KV_TRANSFER_TIMEOUT_S, "prefill/decode disaggregation: how long one SendBlocks call may take before it counts as failed "
         "(tried twice, then the decode worker recomputes the prompt)")
 
     def __post_init__(self) -> None:

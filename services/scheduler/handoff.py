@@ -27,6 +27,7 @@ import time
 import grpc
 
 from services.common.errors import WORKER_LOST
+from services.scheduler.config import DEFAULT_KV_TRANSFER_TIMEOUT_S
 from services.scheduler.engine import EngineLoop, SequenceFailed
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.sequence import FinishReason, Sequence, SequenceStatus
@@ -36,11 +37,10 @@ log = logging.getLogger(__name__)
 
 ROOM_WAIT_S = 5.0  # how long a sequence waits for room on a decode worker before it decodes where it is
 ROOM_POLL_S = 0.01
-DEFAULT_TRANSFER_TIMEOUT_S = 60.0
 
 
 class Handoff:
-    def __init__(self, engines: list[EngineLoop], transfer_timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S,
+    def __init__(self, engines: list[EngineLoop], transfer_timeout_s: float = DEFAULT_KV_TRANSFER_TIMEOUT_S,
                  metrics: SchedulerMetrics | None = None):
         self.engines = engines  # the router's live list
         self.transfer_timeout_s = transfer_timeout_s

@@ -8,7 +8,8 @@ step at once, fed through its own gRPC API as the tokenizer feeds it.
   one SampledToken per sequence that samples, in request order, its step_id
   echoed. Nothing is computed; the answer's bytes are cached per set of
   sequences, so a worker's cost per step is parsing the request.
-- The requests come on GenerateStreams (one per 256 calls, at most 16), as tokenizers send them: W x S
+- The requests come on GenerateStreams (one per 256 calls, at most 16), as tokenizers send them
+  (plain tokens packed, PackedTokens): W x S
   calls with `--prompt-len` random tokens, `ignore_eos` and `--max-tokens`;
   a call that ends is started again at once, so every worker keeps S sequences.
 - The scheduler is found as it finds workers locally: the static
@@ -158,7 +159,8 @@ class Caller:
             prompt_token_ids=[self.rng.randrange(3, VOCAB_SIZE) for _ in range(self.prompt_len)],
             sampling=scheduler_pb2.SamplingParams(temperature=0.0),
             stopping=scheduler_pb2.StoppingCriteria(max_tokens=self.max_tokens, ignore_eos=True))
-        self._outgoing.put_nowait(scheduler_pb2.GenerateStreamRequest(call_id=call_id, start=request))
+        self._outgoing.put_nowait(scheduler_pb2.GenerateStreamRequest(call_id=call_id, start=request,
+                                                                      packed_tokens=True))
 
     async def _requests(self):
         while (request := await self._outgoing.get()) is not None:
@@ -166,6 +168,7 @@ class Caller:
 
     async def _read(self) -> None:
         async for reply in self._call:
+            self.num_tokens += len(reply.tokens.call_ids)  # packed (a tree from before reads them as events)
             for event in reply.events:
                 if event.WhichOneof("event") == "end":
                     self.num_ended += 1

@@ -27,6 +27,13 @@ from callbacks (the scheduler, from its engine loop), is a coroutine that fills
 messages from `call_reply()` in place and returns when the call is done: a
 message then costs no task switch, no copy, and no wake-up of its own.
 
+A stream may also carry plain messages packed column by column (the
+response's `packed` field, e.g. GenerateStreamResponse.tokens): a call whose
+start set `packed_tokens` gets `call_packed()`, which adds one entry and says
+whether it could (not once the call has an event in the response being
+filled, so that each call's entries come before its events); the client
+reads them with its `unpack` before the events.
+
 A start message's `metadata` is what a per-request RPC carries in its headers:
 the caller's trace context (services/common/tracing.py), in which the
 handler then runs, and its credential (`authorization`); on either RPC the
@@ -38,7 +45,7 @@ import asyncio
 import inspect
 import itertools
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from contextvars import ContextVar
 from contextlib import aclosing, nullcontext
 from functools import partial
@@ -57,6 +64,8 @@ from services.common.errors import (
 _call_metadata: ContextVar[Mapping[str, Any]] = ContextVar("call_metadata", default={})
 # The running call's in-place replies (see call_reply).
 _call_reply: ContextVar[Callable[[type], Any] | None] = ContextVar("call_reply", default=None)
+# The running call's packed entries (see call_packed); None where it did not ask for them.
+_call_packed: ContextVar[Callable[..., bool] | None] = ContextVar("call_packed", default=None)
 
 
 def call_metadata() -> Mapping[str, Any]:
@@ -73,6 +82,14 @@ def call_reply() -> Callable[[type], Any]:
     reply = _call_reply.get()
     assert reply is not None, "call_reply outside a call"
     return reply
+
+
+def call_packed() -> Callable[..., bool] | None:
+    """For a coroutine handler whose call asked for packed entries: `pack(*columns)`
+    adds one (the values of the packed message's columns after the call id) to
+    the response being filled, and returns False, adding nothing, where the call
+    must send an ordinary message instead. None for every other call."""
+    return _call_packed.get()
 
 
 async def _answer(handle: Callable[[Any], Any], request: Any, send: Callable[[Any], None]) -> None:
@@ -96,7 +113,8 @@ def _status(code: grpc.StatusCode, message: str = "") -> status_pb2.Status:
 
 
 async def serve_calls(requests: AsyncIterator[Any], handle: Callable[[Any], AsyncIterator[Any]],
-                      response_type: type, event_type: type, drain: Drain | None = None) -> AsyncIterator[Any]:
+                      response_type: type, event_type: type, drain: Drain | None = None,
+                      packed: str | None = None) -> AsyncIterator[Any]:
     """The response stream of a multiplexed RPC: answers each started call with
     `handle(start)` (see `_answer`) in a task of its own and yields everything
     produced while the previous response was being written as one
@@ -105,31 +123,66 @@ async def serve_calls(requests: AsyncIterator[Any], handle: Callable[[Any], Asyn
     A cancelled call's task is cancelled (its handler's `finally` runs, as when
     gRPC cancels a call) and nothing more is sent for it. Ending the stream
     cancels every call still running. With a `drain` that has begun, new calls
-    are refused and the stream ends once the running ones are done."""
+    are refused and the stream ends once the running ones are done. `packed`:
+    the response's field of packed entries (see the module's notes), if any."""
     outbox = response_type()  # the next message: events are added to it in place
     wake = asyncio.Event()
     calls: dict[int, asyncio.Task] = {}
     requests_done = False
+    # The packed entries of the next message, a tuple each (call id first), and the
+    # calls with an event in it, whose later messages must be events too.
+    column_names = ([f.name for f in response_type.DESCRIPTOR.fields_by_name[packed].message_type.fields]
+                    if packed is not None else [])
+    rows: list[tuple[Any, ...]] = []
+    evented: set[int] = set()
 
     def end(call_id: int, status: status_pb2.Status) -> None:
         outbox.events.add(call_id=call_id, end=status)
+        evented.add(call_id)
         wake.set()
 
-    async def run(call_id: int, request: Any, metadata: Any) -> None:
+    def packer(call_id: int) -> Callable[..., bool]:
+        key = (call_id,)
+
+        def pack(*values: Any) -> bool:
+            if call_id in evented:
+                return False
+            if not rows:
+                wake.set()
+            rows.append(key + values)
+            return True
+
+        return pack
+
+    def take_outbox() -> Any:
+        nonlocal outbox
+        message, outbox = outbox, response_type()
+        if rows:
+            into = getattr(message, packed)
+            for name, column in zip(column_names, zip(*rows)):
+                getattr(into, name).extend(column)
+            rows.clear()
+        evented.clear()
+        return message
+
+    async def run(call_id: int, request: Any, metadata: Any, wants_packed: bool) -> None:
         tracing.attach(tracing.extract(metadata))  # this task's own context: never detached
         _call_metadata.set(dict(metadata))
 
         def send(response: Any) -> None:
             outbox.events.add(call_id=call_id, response=response)
+            evented.add(call_id)
             wake.set()
 
         def reply(_: type) -> Any:
             response = outbox.events.add(call_id=call_id).response
             response.SetInParent()  # an empty message is still a response, not an end
+            evented.add(call_id)
             wake.set()
             return response
 
         _call_reply.set(reply)
+        _call_packed.set(packer(call_id) if wants_packed else None)
         try:
             with drain.carrying(asyncio.current_task()) if drain is not None else nullcontext():
                 await _answer(handle, request, send)
@@ -157,7 +210,8 @@ async def serve_calls(requests: AsyncIterator[Any], handle: Callable[[Any], Asyn
                     if drain is not None and drain.draining:
                         end(message.call_id, _status(grpc.StatusCode.UNAVAILABLE, drain.refusal()))
                         continue
-                    calls[message.call_id] = asyncio.create_task(run(message.call_id, message.start, message.metadata))
+                    calls[message.call_id] = asyncio.create_task(run(
+                        message.call_id, message.start, message.metadata, packed is not None and message.packed_tokens))
                 elif action == "cancel" and (task := calls.pop(message.call_id, None)) is not None:
                     task.cancel()
             requests_done = True  # the caller will start nothing more; running calls go on
@@ -172,9 +226,8 @@ async def serve_calls(requests: AsyncIterator[Any], handle: Callable[[Any], Asyn
             wake.clear()
             if reader.done() and not reader.cancelled() and reader.exception() is not None:
                 raise reader.exception()  # type: ignore[misc]
-            if outbox.events:
-                message, outbox = outbox, response_type()
-                yield message
+            if outbox.events or rows:
+                yield take_outbox()
                 wake.set()  # look again: the stream may be done now
             elif (requests_done or (drain is not None and drain.draining)) and not calls:
                 return
@@ -241,15 +294,16 @@ def call_method(handle: Callable[[Any, Any], Any]):
     return method
 
 
-def multiplexed_method(handle: Callable[[Any, Any], AsyncIterator[Any]], response_type: type, event_type: type):
+def multiplexed_method(handle: Callable[[Any, Any], AsyncIterator[Any]], response_type: type, event_type: type,
+                       packed: str | None = None):
     """A servicer method for a multiplexed RPC whose calls `handle(self, request)`
-    answers, following the servicer's `drain`. An async generator function, as
-    `call_method`'s; `serve_calls` is closed when the method ends, however it
-    ends, so no call outlives its stream."""
+    answers, following the servicer's `drain` (`packed`: see serve_calls). An
+    async generator function, as `call_method`'s; `serve_calls` is closed when
+    the method ends, however it ends, so no call outlives its stream."""
 
     async def method(self, request_iterator, context):
         async with aclosing(serve_calls(request_iterator, partial(handle, self), response_type,
-                                        event_type, _drain_of(self))) as responses:
+                                        event_type, _drain_of(self), packed)) as responses:
             async for response in responses:
                 yield response
 
@@ -379,10 +433,14 @@ class CallMultiplexer:
     after it failed (its calls then end with the stream's error) or after its
     server, draining, refused a call (that call is started once more on the new one)."""
 
-    def __init__(self, open_stream: Callable[[AsyncIterator[Any]], Any], request_type: type):
-        """`open_stream`: the stub's multiplexed method, e.g. `stub.ChatStream`."""
+    def __init__(self, open_stream: Callable[[AsyncIterator[Any]], Any], request_type: type,
+                 unpack: Callable[[Any], Iterable[tuple[int, Any]]] | None = None):
+        """`open_stream`: the stub's multiplexed method, e.g. `stub.ChatStream`;
+        `unpack`: a response's packed entries as (call id, message), in order,
+        where calls are to ask for them (`packed_tokens`)."""
         self._open_stream = open_stream
         self._request_type = request_type
+        self._unpack = unpack
         self._stream: _Stream | None = None
         self._ids = itertools.count(1)
 
@@ -410,7 +468,10 @@ class CallMultiplexer:
 
         call._cancel = cancel
         stream.calls[call_id] = call
-        stream.outgoing.put_nowait(self._request_type(call_id=call_id, start=call._request, metadata=call._metadata))
+        start = self._request_type(call_id=call_id, start=call._request, metadata=call._metadata)
+        if self._unpack is not None:
+            start.packed_tokens = True
+        stream.outgoing.put_nowait(start)
 
     def _resend_refused(self, stream: _Stream, call: MultiplexedCall, end: status_pb2.Status) -> bool:
         """A call the server refused because it drains never started: the stream
@@ -430,6 +491,12 @@ class CallMultiplexer:
         error = _error(grpc.StatusCode.UNAVAILABLE, "the multiplexed stream ended")
         try:
             async for message in stream.rpc:
+                if self._unpack is not None:
+                    for call_id, response in self._unpack(message):
+                        call = stream.calls.get(call_id)
+                        if call is not None:
+                            call._received = True
+                            call._deliver(response)
                 for event in message.events:
                     call = stream.calls.get(event.call_id)
                     if call is None:

@@ -55,6 +55,20 @@ class Choices:
         self._pending: dict[int, list[TokenEvent]] = {s.seq_id: [] for s in seqs}
         self._started: set[int] = set()  # seq ids with a message sent
         self._ended: set[int] = set()  # seq ids whose last message was sent (or dropped)
+        # One choice whose tokens need nothing but themselves: its middle ones may go packed.
+        self._plain = len(seqs) == 1 and not self.has_logprobs
+
+    def plain_token(self, items: list) -> TokenEvent | None:
+        """The token of a delivery that may go packed (PackedTokens) instead of
+        through `accept`: the one new token of a one-choice request without
+        log-probabilities, neither its first message nor its last. None otherwise."""
+        if not self._plain or len(items) != 1 or not self._started:
+            return None
+        item = items[0]
+        if type(item) is not tuple:  # the sequence failed
+            return None
+        seq, event = item
+        return None if seq.is_finished or event.top_logprobs else event
 
     @property
     def is_selecting(self) -> bool:

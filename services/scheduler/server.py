@@ -18,7 +18,7 @@ from opentelemetry import trace
 from services.common import tracing
 from services.common.drain import Drain
 from services.common.errors import ServiceError
-from services.common.multiplex import call_method, call_reply, multiplexed_method
+from services.common.multiplex import call_method, call_packed, call_reply, multiplexed_method
 from services.scheduler import spans
 from services.scheduler.choices import Choices
 from services.scheduler.config import SchedulerConfig
@@ -63,6 +63,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             if done.done():
                 return
             try:
+                if pack is not None and (e := choices.plain_token(items)) is not None \
+                        and pack(e.token_id, e.batch_size, e.queue_wait_us, e.latency_ms):
+                    return
                 if items and isinstance(failure := items[0], SequenceFailed):
                     done.set_exception(ServiceError(failure.code, failure.message))
                     return
@@ -76,7 +79,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
 
         # Siblings share the prompt's KV blocks, so they all run on one worker.
         engine = self.router.place(seqs)
-        reply = call_reply()
+        reply, pack = call_reply(), call_packed()
         try:
             engine.submit(seqs, deliver)
         except CapacityError as exc:
@@ -105,7 +108,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
 
     Generate = call_method(_generate)
     GenerateStream = multiplexed_method(_generate, scheduler_pb2.GenerateStreamResponse,
-                                        scheduler_pb2.GenerateStreamEvent)
+                                        scheduler_pb2.GenerateStreamEvent, packed="tokens")
 
     async def Abort(self, request, context):
         entry = self._live.get(request.request_id)

@@ -131,13 +131,26 @@ def _usage_chunk(outputs: list[ChoiceOutput]) -> chat_pb2.ChatChunk | None:
     return chunk
 
 
+def unpack_tokens(message: scheduler_pb2.GenerateStreamResponse):
+    """A GenerateStreamResponse's packed tokens, each as the GenerateResponse it stands for."""
+    packed = message.tokens
+    if not packed.call_ids:
+        return
+    response, token = scheduler_pb2.GenerateResponse, scheduler_pb2.GeneratedToken
+    for call_id, token_id, batch_size, queue_wait_us, latency_ms in zip(
+            packed.call_ids, packed.token_ids, packed.batch_sizes, packed.queue_wait_us, packed.latency_ms):
+        yield call_id, response(tokens=[token(token_id=token_id, batch_size=batch_size, queue_wait_us=queue_wait_us,
+                                              latency_ms=latency_ms)])
+
+
 class SchedulerClient:
     """The scheduler as ChatServicer calls it: every Generate call of this
-    process on one GenerateStream."""
+    process on one GenerateStream, whose plain tokens come packed."""
 
     def __init__(self, channel: grpc.aio.Channel):
         self._stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
-        self._calls = CallMultiplexer(self._stub.GenerateStream, scheduler_pb2.GenerateStreamRequest)
+        self._calls = CallMultiplexer(self._stub.GenerateStream, scheduler_pb2.GenerateStreamRequest,
+                                      unpack=unpack_tokens)
 
     def generate(self, request: scheduler_pb2.GenerateRequest) -> MultiplexedCall:
         return self._calls.start(request)

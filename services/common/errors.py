@@ -86,7 +86,7 @@ STEP_FAILED = "a step running this request failed on the worker"
 CLIENT_UNAVAILABLE_MESSAGES = frozenset({WORKER_LOST, NO_WORKER_READY, STEP_FAILED})
 # A draining service's own words (drain.py): a new call refused, a running one
 # ended by the drain timeout. They name the service, never an address. A refused
-# call never started, so a client may send it again elsewhere (multiplex.py does).
+# call never started, so a client may send it again elsewhere (multiplex_client.py does).
 DRAIN_REFUSED = "is shutting down and takes no new requests"
 
 

@@ -10,7 +10,7 @@ import grpc
 from stormserve.chat.v1 import chat_pb2, chat_pb2_grpc
 
 from services.common.grpc_server import channel, is_serving
-from services.common.multiplex import CallMultiplexer, MultiplexedCall
+from services.common.multiplex_client import CallMultiplexer, MultiplexedCall
 from services.common.tls import InternalTls
 from services.http_edge.errors import from_rpc_error, invalid_input, unavailable
 

@@ -29,7 +29,7 @@ from starlette.responses import JSONResponse, Response
 from stormserve.chat.v1 import chat_pb2
 
 from services.common.chat_protocol import ChatCompletionRequest
-from services.common.multiplex import MultiplexedCall
+from services.common.multiplex_client import MultiplexedCall
 from services.common.validation import describe_validation, field_path
 from services.http_edge.auth import credential_metadata
 from services.http_edge.backend import ChatBackend

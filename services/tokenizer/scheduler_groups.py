@@ -19,7 +19,7 @@ import grpc
 from services.common.errors import ServiceError
 from services.common.grpc_server import is_serving
 from services.common.kube import Slices, merge_slices
-from services.common.multiplex import MultiplexedCall
+from services.common.multiplex_client import MultiplexedCall
 from services.tokenizer.groups import GroupPicker
 from stormserve.scheduler.v1 import scheduler_pb2
 

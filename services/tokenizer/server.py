@@ -16,8 +16,8 @@ from services.common.drain import Drain
 from services.common.errors import ServiceError, client_message, invalid_argument
 from services.common.fingerprint import system_fingerprint
 from services.common.api_keys import KeyStore
-from services.common.multiplex import (
-    CallMultiplexer, MultiplexedCall, call_metadata, call_method, multiplexed_method)
+from services.common.multiplex import call_metadata, call_method, multiplexed_method
+from services.common.multiplex_client import CallMultiplexer, MultiplexedCall
 from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.formats import ModelFormats, OutputOptions, output_options
 from services.tokenizer.grammar import response_format_grammar

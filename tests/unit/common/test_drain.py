@@ -19,7 +19,8 @@ from stormserve.chat.v1 import chat_pb2, chat_pb2_grpc
 
 from services.common.drain import Drain, check_drain_timeout
 from services.common.grpc_server import GrpcService, health_status
-from services.common.multiplex import CallMultiplexer, call_method, multiplexed_method
+from services.common.multiplex import call_method, multiplexed_method
+from services.common.multiplex_client import CallMultiplexer
 
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 

@@ -12,7 +12,8 @@ import pytest
 from stormserve.chat.v1 import chat_pb2, chat_pb2_grpc
 
 from services.common.errors import ServiceError
-from services.common.multiplex import CallMultiplexer, serve_calls
+from services.common.multiplex import serve_calls
+from services.common.multiplex_client import CallMultiplexer
 
 Handler = Callable[[chat_pb2.ChatRequest], AsyncIterator[chat_pb2.ChatResponse]]
 

@@ -10,7 +10,8 @@ from contextlib import aclosing
 
 from stormserve.scheduler.v1 import scheduler_pb2
 
-from services.common.multiplex import CallMultiplexer, call_packed, call_reply, serve_calls
+from services.common.multiplex import call_packed, call_reply, serve_calls
+from services.common.multiplex_client import CallMultiplexer
 from services.tokenizer.server import unpack_tokens
 
 # Per call (its request_id): what its handler does, in order. ("pack", t): token t packed where

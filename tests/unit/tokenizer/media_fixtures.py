@@ -16,7 +16,8 @@ from PIL import Image
 from stormserve.chat.v1 import chat_pb2, chat_pb2_grpc
 
 from services.common.errors import ErrorInterceptor
-from services.common.multiplex import CallMultiplexer, serve_calls
+from services.common.multiplex import serve_calls
+from services.common.multiplex_client import CallMultiplexer
 from services.http_edge.errors import from_rpc_error
 from services.tokenizer.media import MediaRefused
 

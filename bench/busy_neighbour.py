@@ -22,6 +22,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from services.common.model_files import DEFAULT_MODEL_NAME
 from services.common.supervisor import Chain, free_port
 
 SETTINGS = {"libgomp default": {"GOMP_SPINCOUNT": "300000"},
@@ -31,9 +32,7 @@ SPIN = "while True: pass"
 
 
 def answer_s(chain: Chain, max_tokens: int) -> float:
-    with urllib.request.urlopen(chain.url + "/v1/models", timeout=30) as models:
-        model = json.load(models)["data"][0]["id"]
-    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": max_tokens,
+    body = json.dumps({"model": DEFAULT_MODEL_NAME, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": max_tokens,
                        "ignore_eos": True, "temperature": 0}).encode()
     request = urllib.request.Request(chain.url + "/v1/chat/completions", body,
                                      {"Content-Type": "application/json"})

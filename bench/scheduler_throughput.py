@@ -5,7 +5,8 @@ step at once, fed through its own gRPC API as the tokenizer feeds it.
 - The workers are one process (this one): one grpc.aio server bound to a port
   per worker, serving WorkerService (Describe, StepStream) and the health
   service. Each step is answered with a real StepResponse of the right shape:
-  one SampledToken per sequence that samples, in request order, its step_id
+  a token per sequence that samples (in the packed columns where the step asks,
+  as a real worker answers tokens without logprobs), in request order, its step_id
   echoed. Nothing is computed; the answer's bytes are cached per set of
   sequences, so a worker's cost per step is parsing the request.
 - The requests come on GenerateStreams (one per 256 calls, at most 16), as tokenizers send them
@@ -85,7 +86,7 @@ class SimulatedWorkers:
         self.num_workers = num_workers
         self.num_steps = 0
         self.num_tokens = 0
-        self._answers: dict[tuple[int, ...], bytes] = {}  # sampling seq ids -> the tokens' bytes
+        self._answers: dict[tuple[bool, tuple[int, ...]], bytes] = {}  # (packed, sampling seq ids) -> the tokens' bytes
         self.server: grpc.aio.Server | None = None  # made on the running loop, by start
         self.addresses: list[str] = []
 
@@ -93,12 +94,17 @@ class SimulatedWorkers:
         """The StepStreamResponse to a StepStreamRequest, both serialized."""
         step = worker_pb2.StepStreamRequest.FromString(raw).step
         sampling = tuple(s.seq_id for s in step.sequences if s.sample)
-        tokens = self._answers.get(sampling)
+        key = (step.pack_plain_tokens, sampling)
+        tokens = self._answers.get(key)
         if tokens is None:
             if len(self._answers) > 4096:
                 self._answers.clear()
-            tokens = self._answers[sampling] = worker_pb2.StepResponse(
-                tokens=[worker_pb2.SampledToken(seq_id=i, token_id=TOKEN_ID) for i in sampling]).SerializeToString()
+            if step.pack_plain_tokens:  # as a real worker answers tokens without logprobs or drafts
+                answer = worker_pb2.StepResponse(plain_seq_ids=sampling, plain_token_ids=[TOKEN_ID] * len(sampling))
+            else:
+                answer = worker_pb2.StepResponse(
+                    tokens=[worker_pb2.SampledToken(seq_id=i, token_id=TOKEN_ID) for i in sampling])
+            tokens = self._answers[key] = answer.SerializeToString()
         # Serialized messages concatenate as a merge: step_id first, then the tokens.
         body = worker_pb2.StepResponse(step_id=step.step_id).SerializeToString() + tokens
         self.num_steps += 1

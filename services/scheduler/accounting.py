@@ -21,59 +21,72 @@ class Accounting:
     _outstanding: dict[int, int]
     _planned: dict[int, ScheduledSequence]
     _prefilled: list[Sequence]
+    # (queue wait µs, latency ms) of each token the last postprocess gave to a sink.
+    packed_stats: list[tuple[int, float]]
     finish: Callable[[Sequence, FinishReason], None]
     _fork: Callable[[Sequence], None]
     _advance_beams: Callable[[BeamSearch], list[tuple[Sequence, TokenEvent]]]
 
-    def postprocess(self, plan: StepPlan, sampled: dict[int, SampledToken], started_us: int,
+    def postprocess(self, plan: StepPlan, sampled: dict[int, SampledToken | int], started_us: int,
                     finished_us: int) -> list[tuple[Sequence, TokenEvent]]:
-        """Commit computed KV, append each sampled token with its statistics, finish what is done."""
+        """Commit computed KV, append each sampled token with its statistics, finish what is done.
+
+        `sampled` holds a SampledToken per sampling sequence, or the token id alone
+        where there is nothing else (no log-probabilities, no drafts). Returns the
+        tokens to deliver; a token its sequence's `sink` took (a middle token of a
+        one-choice request) is not among them, but in `packed_stats`."""
         events = []
         searches: list[BeamSearch] = []  # beam searches whose every beam has offered
         self._outstanding.pop(plan.step_id, None)
         planned, batch_size, block_size = self._planned, len(plan.scheduled), self.blocks.block_size
         finished = SequenceStatus.FINISHED
+        packed_stats = self.packed_stats = []
         for entry in plan.scheduled:
-            seq = entry.seq
+            seq, computed, num_new, _, is_sampling, _, epoch, drafts = entry
             seq_id = seq.seq_id
             if planned.get(seq_id) is entry:
                 del planned[seq_id]
-            if seq.status is finished or entry.epoch != seq.epoch:  # ended or preempted after planning
+            if seq.status is finished or epoch != seq.epoch:  # ended or preempted after planning
                 continue
-            if entry.draft_token_ids:
-                events += self._take_verified(entry, sampled[seq_id], plan, started_us, finished_us)
+            if drafts:
+                token = sampled[seq_id]  # none kept, none proposed: an id alone
+                token = SampledToken(seq_id, token) if type(token) is int else token
+                events += self._take_verified(entry, token, plan, started_us, finished_us)
                 continue
-            seq.num_computed_tokens = computed = entry.num_computed_tokens + entry.num_new_tokens
+            seq.num_computed_tokens = computed = computed + num_new
             if computed // block_size > len(seq.block_hashes):  # a block filled up: into the prefix cache
                 self.blocks.commit(seq)
-            if not entry.is_sampling:
+            if not is_sampling:
                 continue
             if seq.forks:  # its prompt KV is complete: the siblings start from it
                 self._fork(seq)
             token = sampled[seq_id]
+            if type(token) is int:
+                token_id, logprob, top, drafted = token, None, (), ()
+            else:
+                token_id, logprob, top, drafted = token.token_id, token.logprob, token.top_logprobs, token.draft_token_ids
             last_event_us = seq.last_event_us
-            event = TokenEvent(
-                token.token_id,
-                batch_size,
-                started_us - last_event_us if started_us > last_event_us else 0,
-                (finished_us - last_event_us if finished_us > last_event_us else 0) / 1000.0,
-                token.logprob,
-                token.top_logprobs,
-            )
+            queue_wait_us = started_us - last_event_us if started_us > last_event_us else 0
+            latency_ms = (finished_us - last_event_us if finished_us > last_event_us else 0) / 1000.0
             seq.last_event_us = finished_us
             if seq.beam is not None:
-                seq.beam.offer(seq, list(token.top_logprobs), event)
+                seq.beam.offer(seq, list(top), TokenEvent(token_id, batch_size, queue_wait_us, latency_ms, logprob, top))
                 if seq.beam.is_ready and seq.beam not in searches:
                     searches.append(seq.beam)
                 continue
-            seq.output_token_ids.append(token.token_id)
-            seq.worker_draft, seq.worker_draft_at = token.draft_token_ids, seq.num_tokens
-            if token.logprob is not None:
-                seq.cumulative_logprob += token.logprob
-            self._check_finished(seq, token.token_id)
-            events.append((seq, event))
+            seq.output_token_ids.append(token_id)
+            if drafted or seq.worker_draft:
+                seq.worker_draft, seq.worker_draft_at = drafted, seq.num_tokens
+            if logprob is not None:
+                seq.cumulative_logprob += logprob
+            self._check_finished(seq, token_id)
             if seq.moves and self.prefill_only:
                 self._prefilled.append(seq)
+            if (sink := seq.sink) is not None and seq.status is not finished \
+                    and sink(token_id, batch_size, queue_wait_us, latency_ms):
+                packed_stats.append((queue_wait_us, latency_ms))
+                continue
+            events.append((seq, TokenEvent(token_id, batch_size, queue_wait_us, latency_ms, logprob, top)))
             if seq.stopping.thinking_budget is not None and seq.status is not finished:
                 for forced in self._spend_thinking_budget(seq):
                     # Appended, not sampled: computed with the next step like a prompt chunk.

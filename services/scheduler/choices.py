@@ -58,17 +58,15 @@ class Choices:
         # One choice whose tokens need nothing but themselves: its middle ones may go packed.
         self._plain = len(seqs) == 1 and not self.has_logprobs
 
-    def plain_token(self, items: list) -> TokenEvent | None:
-        """The token of a delivery that may go packed (PackedTokens) instead of
-        through `accept`: the one new token of a one-choice request without
-        log-probabilities, neither its first message nor its last. None otherwise."""
-        if not self._plain or len(items) != 1 or not self._started:
+    def packable(self) -> Sequence | None:
+        """The sequence whose coming tokens may go packed (PackedTokens) instead of
+        through `accept`, one by one and each but its last: that of a one-choice
+        request without log-probabilities or a thinking budget, once its first
+        message is out. None otherwise."""
+        if not self._plain or not self._started or self._ended:
             return None
-        item = items[0]
-        if type(item) is not tuple:  # the sequence failed
-            return None
-        seq, event = item
-        return None if seq.is_finished or event.top_logprobs else event
+        seq = self.seqs[0]
+        return seq if seq.beam is None and seq.stopping.thinking_budget is None and not seq.is_finished else None
 
     @property
     def is_selecting(self) -> bool:

@@ -209,7 +209,7 @@ class EngineLoop:
                 self._refused_sequences(planned_by, plan, answer)
             events = planned_by.postprocess(plan, answer.tokens, started_us, finished_us)
             if self.metrics is not None:
-                self.metrics.on_step(plan, events, started_us, finished_us)
+                self.metrics.on_step(plan, events, started_us, finished_us, planned_by.packed_stats)
             self._deliver(events)
             if planned_by.prefill_only and (moving := planned_by.take_prefilled()) and self.on_prefilled:
                 self.on_prefilled(self, moving)

@@ -31,6 +31,8 @@ from bisect import bisect_left
 from collections.abc import Iterable, Sequence as Seq
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -178,22 +180,19 @@ class EngineMetrics:
         self.step_planning = metrics.step_planning.labels(*values)
 
     def on_step(self, plan: StepPlan, events: list[tuple[Sequence, TokenEvent]], started_us: int,
-                finished_us: int) -> None:
-        """A step answered: `events` are the tokens it delivered (postprocess's result)."""
-        prefills = decodes = 0
-        for entry in plan.scheduled:
-            num_known = entry.num_new_tokens - len(entry.draft_token_ids)
-            if num_known == 1 and entry.num_computed_tokens >= entry.seq.num_prompt_tokens:
-                decodes += 1
-            else:
-                prefills += 1
+                finished_us: int, packed: list[tuple[int, float]] = ()) -> None:
+        """A step answered: `events` are the tokens it delivered (postprocess's result),
+        `packed` the (queue wait µs, latency ms) of those it gave to sinks (never a first token)."""
+        decodes = plan.num_decodes
+        prefills = len(plan.scheduled) - decodes
         if prefills or decodes:
             kind = "mixed" if prefills and decodes else "decode" if decodes else "prefill"
             self.step_duration[kind].observe((finished_us - started_us) * US)
             self.step_batch_size.observe(prefills + decodes)
         prompt = 0
         previous = None
-        itls, queue_waits = [], []
+        itls = [latency_ms * 1e-3 for _, latency_ms in packed]
+        queue_waits = [queue_wait_us * US for queue_wait_us, _ in packed]
         for seq, event in events:
             if seq is previous:
                 continue  # forced tokens (a spent thinking budget) come with the sampled one: not a new latency
@@ -210,10 +209,10 @@ class EngineMetrics:
         observe_many(self.token_queue_wait, queue_waits)
         if prompt:
             self.prompt_tokens.inc(prompt)
-        if events:
-            self.generation_tokens.inc(len(events))
+        if events or packed:
+            self.generation_tokens.inc(len(events) + len(packed))
         if plan.scheduled:
-            self.iteration_tokens.observe(prompt + len(events))
+            self.iteration_tokens.observe(prompt + len(events) + len(packed))
 
     def on_finished(self, seq: Sequence, reason: str, now_us: int) -> None:
         """Once per sequence, when its Generate call is done with it (finished, aborted or failed)."""
@@ -240,11 +239,16 @@ def observe_many(histogram: Histogram, amounts: list[float]) -> None:
     if not amounts:
         return
     bounds, buckets = histogram._upper_bounds, histogram._buckets
-    counts: dict[int, int] = {}
-    for amount in amounts:
-        index = bisect_left(bounds, amount)  # the first bound >= amount, as observe() finds it
-        counts[index] = counts.get(index, 0) + 1
-    for index, count in counts.items():
+    if len(amounts) < 16:
+        counts: dict[int, int] = {}
+        for amount in amounts:
+            index = bisect_left(bounds, amount)  # the first bound >= amount, as observe() finds it
+            counts[index] = counts.get(index, 0) + 1
+        items = counts.items()
+    else:  # a batch's worth: searched at once
+        per_bucket = np.bincount(np.searchsorted(bounds, amounts, side="left"), minlength=len(bounds))
+        items = zip(np.flatnonzero(per_bucket).tolist(), per_bucket[per_bucket > 0].tolist())
+    for index, count in items:
         buckets[index].inc(count)
     histogram._sum.inc(sum(amounts))
 

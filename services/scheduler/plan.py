@@ -70,6 +70,8 @@ class StepPlan:
     release_seq_ids: list[int] = field(default_factory=list)
     # (src, dst) KV blocks the worker copies before the forward (a forked beam's partial block).
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # Entries that feed one known token past the prompt (the rest are prefills), for the metrics.
+    num_decodes: int = 0
 
     @property
     def sequences(self) -> list[Sequence]:
@@ -93,10 +95,11 @@ class SampledToken(NamedTuple):
 
 @dataclass(frozen=True)
 class StepAnswer:
-    """The worker's answer to a step: the sampled tokens by seq id, and the
-    sequences it refused alone (seq id -> why, written for the request's client)."""
+    """The worker's answer to a step: the sampled tokens by seq id (a token with
+    nothing but its id as that id alone), and the sequences it refused alone
+    (seq id -> why, written for the request's client)."""
 
-    tokens: dict[int, SampledToken]
+    tokens: dict[int, SampledToken | int]
     refused: dict[int, str] = field(default_factory=dict)
 
 

@@ -58,6 +58,9 @@ from services.scheduler.sequence import FinishReason, Sequence, SequenceStatus
 from services.scheduler.speculation import SpeculationConfig, Speculator
 from services.scheduler.transfer_steps import TransferSteps
 
+# ScheduledSequence's fields in order, without the generated __new__'s frame (one per sequence per step).
+_new_entry = tuple.__new__
+
 
 class BatchPolicy(Accounting, BeamSteps, TransferSteps):
     def __init__(self, capacity: WorkerCapacity, max_batch_size: int, max_prefill_tokens: int,
@@ -82,6 +85,7 @@ class BatchPolicy(Accounting, BeamSteps, TransferSteps):
         self._outstanding: dict[int, int] = {}
         self._planned: dict[int, ScheduledSequence] = {}
         self._next_step_id = 0
+        self.packed_stats: list[tuple[int, float]] = []
         self._init_transfers(capacity.role == "prefill")
 
     # -- admission ---------------------------------------------------------
@@ -158,7 +162,8 @@ class BatchPolicy(Accounting, BeamSteps, TransferSteps):
         May be called once while the last planned step runs (see the module doc)."""
         assert len(self._outstanding) <= 1, "plan at most one step ahead of the worker"
         batch: list[ScheduledSequence] = []
-        has_preempted, prefilling = self._schedule_decodes(batch)
+        has_preempted, prefilling, num_decodes = self._schedule_decodes(batch)
+        num_decode_entries = len(batch)
         budget = self.max_prefill_tokens
         for seq in prefilling:  # prompts part-way done continue first
             position = self._position(seq)
@@ -192,7 +197,10 @@ class BatchPolicy(Accounting, BeamSteps, TransferSteps):
             image_bytes += seq_image_bytes
         if not batch and not self._to_release and not self._copies:
             return None
-        plan = StepPlan(self._next_step_id, batch, self._to_release, list(self._copies.values()))
+        for entry in batch[num_decode_entries:]:  # a recomputed sequence's last token is a decode too
+            if entry.num_new_tokens == 1 and entry.num_computed_tokens >= len(entry.seq.prompt_token_ids):
+                num_decodes += 1
+        plan = StepPlan(self._next_step_id, batch, self._to_release, list(self._copies.values()), num_decodes)
         self._next_step_id += 1
         self._to_release, self._copies = [], {}
         self._outstanding[plan.step_id] = len(batch)
@@ -298,46 +306,46 @@ class BatchPolicy(Accounting, BeamSteps, TransferSteps):
         """(tokens computed, tokens known) once the steps planned so far have run;
         None while its next input is a token in flight that the scheduler must see first."""
         entry = self._planned.get(seq.seq_id)
+        num_tokens = len(seq.prompt_token_ids) + len(seq.output_token_ids)
         if entry is None:
-            return seq.num_computed_tokens, seq.num_tokens
+            return seq.num_computed_tokens, num_tokens
         computed = entry.num_computed_tokens + entry.num_new_tokens
         if not entry.is_sampling:
-            return computed, seq.num_tokens
-        budget = seq.stopping.thinking_budget
-        if (seq.beam is not None or (budget is not None and not seq.is_thinking_done) or seq.moves
-                or len(seq.output_token_ids) + 1 >= seq.stopping.max_tokens or entry.draft_token_ids
-                or (self._is_speculating and self.speculator.wants_draft(seq, self._num_drafting_load))):
+            return computed, num_tokens
+        if seq.beam is not None or seq.moves or entry.draft_token_ids \
+                or len(seq.output_token_ids) + 1 >= seq.stopping.max_tokens \
+                or (seq.stopping.thinking_budget is not None and not seq.is_thinking_done) \
+                or (self._is_speculating and self.speculator.wants_draft(seq, self._num_drafting_load)):
             return None
-        return computed, seq.num_tokens + 1  # the token in flight
+        return computed, num_tokens + 1  # the token in flight
 
     def _schedule_entry(self, seq: Sequence, computed: int, num_new: int,
                         draft: tuple[int, ...] = ()) -> ScheduledSequence:
-        total = computed + num_new - len(draft)
         in_flight = self._planned.get(seq.seq_id)
         feeds_last_sampled = in_flight is not None and in_flight.is_sampling
-        entry = ScheduledSequence(
-            seq, computed, num_new,
-            feeds_last_sampled=feeds_last_sampled,
-            is_sampling=feeds_last_sampled or total == seq.num_tokens,
-            sends_sampling=not seq.is_sent_to_worker,
-            epoch=seq.epoch,
-            draft_token_ids=draft,
-        )
+        entry = _new_entry(ScheduledSequence, (
+            seq, computed, num_new, feeds_last_sampled,
+            feeds_last_sampled or computed + num_new - len(draft) == len(seq.prompt_token_ids) + len(seq.output_token_ids),
+            not seq.is_sent_to_worker, seq.epoch, draft,
+        ))
         seq.is_sent_to_worker = True
         return entry
 
-    def _schedule_decodes(self, batch: list[ScheduledSequence]) -> tuple[bool, list[Sequence]]:
+    def _schedule_decodes(self, batch: list[ScheduledSequence]) -> tuple[bool, list[Sequence], int]:
         """Add a one-token step for every decoding sequence; returns whether any was
-        preempted, and the running sequences part-way through their prompt (in
-        admission order, up to where the batch filled: past it none would fit)."""
+        preempted, the running sequences part-way through their prompt (in
+        admission order, up to where the batch filled: past it none would fit),
+        and how many of the entries are decodes (past the prompt, StepPlan.num_decodes)."""
         has_preempted = False
+        num_decodes = 0
         prefilling: list[Sequence] = []
         draft_budget = self.speculator.draft_budget(self._num_drafting_load)
-        block_size = self.blocks.block_size
+        block_size, max_batch_size, running_status = self.blocks.block_size, self.max_batch_size, SequenceStatus.RUNNING
+        position_of, entry_for = self._position, self._schedule_entry
         for seq in list(self.running):
-            if seq.status is not SequenceStatus.RUNNING:
+            if seq.status is not running_status:
                 continue
-            position = self._position(seq)
+            position = position_of(seq)
             if position is None:
                 continue
             computed, total = position
@@ -345,7 +353,7 @@ class BatchPolicy(Accounting, BeamSteps, TransferSteps):
                 if total - computed > 1:
                     prefilling.append(seq)
                 continue
-            if len(batch) >= self.max_batch_size:
+            if len(batch) >= max_batch_size:
                 break
             if total > len(seq.block_table) * block_size:  # else its last block has room: nothing to take
                 while not self.blocks.can_grow(seq, total):
@@ -354,15 +362,18 @@ class BatchPolicy(Accounting, BeamSteps, TransferSteps):
                     has_preempted = True
                     if victim is seq:
                         break
-                if seq.status is not SequenceStatus.RUNNING:
+                if seq.status is not running_status:
                     continue
                 self.blocks.grow(seq, total)
-            draft = self._draft(seq, total, draft_budget) if draft_budget > 0 else ()
-            if draft:
+            if computed >= len(seq.prompt_token_ids):
+                num_decodes += 1
+            if draft_budget > 0 and (draft := self._draft(seq, total, draft_budget)):
                 draft_budget -= len(draft)
                 self.blocks.grow(seq, total + len(draft))
-            batch.append(self._schedule_entry(seq, computed, 1 + len(draft), draft))
-        return has_preempted, prefilling
+                batch.append(entry_for(seq, computed, 1 + len(draft), draft))
+            else:
+                batch.append(entry_for(seq, computed, 1))
+        return has_preempted, prefilling, num_decodes
 
     @property
     def _num_drafting_load(self) -> int:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -147,6 +147,11 @@ class Sequence:
     # Prefill/decode disaggregation: placed on a prefill worker, it moves to a
     # decode worker once its first token is sampled (see transfer_steps.py).
     moves: bool = False
+    # Where its tokens go packed once the request's first message is out (a
+    # one-choice request without log-probabilities; set by the server):
+    # sink(token_id, batch_size, queue_wait_us, latency_ms) -> whether it took the
+    # token. A token it does not take (nor a sequence's last) is delivered as an event.
+    sink: Callable[[int, int, int, float], bool] | None = None
 
     def __post_init__(self) -> None:
         self.last_event_us = self.last_event_us or self.arrival_us

@@ -60,12 +60,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
 
         def deliver(items: list[StreamItem]) -> None:
             # In the engine's loop: each step's tokens go out from here, with no task switch.
+            # Its middle tokens skip this: the engine gives them to the sequence's sink (pack).
             if done.done():
                 return
             try:
-                if pack is not None and (e := choices.plain_token(items)) is not None \
-                        and pack(e.token_id, e.batch_size, e.queue_wait_us, e.latency_ms):
-                    return
                 if items and isinstance(failure := items[0], SequenceFailed):
                     done.set_exception(ServiceError(failure.code, failure.message))
                     return
@@ -73,9 +71,13 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                     fill_response(reply(scheduler_pb2.GenerateResponse), update, choices)
                 if choices.is_done:
                     done.set_result(None)
+                elif pack is not None and (seq := choices.packable()) is not None:
+                    seq.sink = pack
             except Exception as exc:  # noqa: BLE001 - a fault of this request ends it alone
                 log.exception("%s: delivering its tokens failed", request.request_id)
                 done.set_exception(exc)
+                for seq in choices.seqs:  # nothing more goes out before the call ends
+                    seq.sink = None
 
         # Siblings share the prompt's KV blocks, so they all run on one worker.
         engine = self.router.place(seqs)
@@ -93,6 +95,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             raise
         finally:
             self._live.pop(request.request_id, None)
+            for seq in choices.seqs:
+                seq.sink = None
             engine = self.router.holder(request.request_id, engine)  # it may have moved (handoff.py)
             if choices.unfinished:
                 engine.abort(choices.unfinished)

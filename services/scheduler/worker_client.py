@@ -133,6 +133,7 @@ def step_request(plan: StepPlan, into: worker_pb2.StepRequest | None = None) -> 
     and passed in a list is copied into the request, which costs as much again."""
     step = worker_pb2.StepRequest() if into is None else into
     step.step_id = plan.step_id
+    step.pack_plain_tokens = True
     add = step.sequences.add
     for entry in plan.scheduled:
         _sequence_step(entry, add)
@@ -183,9 +184,9 @@ def _sequence_step(entry: ScheduledSequence, add) -> worker_pb2.SequenceStep:
     return step
 
 
-def sampled_tokens(reply: worker_pb2.StepResponse) -> dict[int, SampledToken]:
-    """A Step reply's tokens by seq id."""
-    tokens = {}
+def sampled_tokens(reply: worker_pb2.StepResponse) -> dict[int, SampledToken | int]:
+    """A Step reply's tokens by seq id: a plain one (packed columns) as its id alone."""
+    tokens: dict[int, SampledToken | int] = dict(zip(reply.plain_seq_ids, reply.plain_token_ids))
     for t in reply.tokens:
         top, drafts = t.top_logprobs, t.draft_token_ids
         tokens[t.seq_id] = SampledToken(

@@ -95,9 +95,16 @@ def step_from_proto(
     return inputs, list(request.release_seq_ids), copies
 
 
-def step_to_proto(step_id: int, result: StepResult) -> worker_pb2.StepResponse:
+def step_to_proto(step_id: int, result: StepResult, pack_plain: bool = False) -> worker_pb2.StepResponse:
+    """With `pack_plain`, the tokens that are nothing but an id go in the packed
+    columns (StepRequest.pack_plain_tokens)."""
     response = worker_pb2.StepResponse(step_id=step_id, execute_time_us=result.execute_time_us)
+    plain_seq_ids, plain_token_ids = [], []
     for token in result.tokens:
+        if pack_plain and token.logprob is None and not token.num_accepted_draft_tokens and not token.draft_token_ids:
+            plain_seq_ids.append(token.seq_id)
+            plain_token_ids.append(token.token_id)
+            continue
         entry = response.tokens.add(seq_id=token.seq_id, token_id=token.token_id,
                                     num_accepted_draft_tokens=token.num_accepted_draft_tokens,
                                     draft_token_ids=token.draft_token_ids)
@@ -105,6 +112,9 @@ def step_to_proto(step_id: int, result: StepResult) -> worker_pb2.StepResponse:
             entry.logprob = token.logprob
         for alternative in token.top_logprobs:
             entry.top_logprobs.add(token_id=alternative.token_id, logprob=alternative.logprob)
+    if plain_seq_ids:
+        response.plain_seq_ids.extend(plain_seq_ids)
+        response.plain_token_ids.extend(plain_token_ids)
     for refusal in result.refused:
         response.refused.add(seq_id=refusal.seq_id, message=refusal.message)
     return response

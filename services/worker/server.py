@@ -213,7 +213,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 request.step_id, len(inputs), sum(len(s.token_ids) for s in inputs),
                 len(release_seq_ids), len(block_copies), result.execute_time_us / 1000,
             )
-            return convert.step_to_proto(request.step_id, result)
+            return convert.step_to_proto(request.step_id, result, pack_plain=request.pack_plain_tokens)
 
         self._steps_in_flight += 1
         ok = False

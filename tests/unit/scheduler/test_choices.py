@@ -8,7 +8,6 @@ import pytest
 from services.common.errors import ServiceError
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.convert import fill_response, to_sequences
-from services.scheduler.engine import SequenceFailed
 from services.scheduler.sequence import FinishReason, SequenceStatus, TokenEvent
 from stormserve.scheduler.v1 import scheduler_pb2
 from tests.unit.scheduler.test_batching import run_to_end
@@ -146,16 +145,12 @@ def test_a_single_choice_can_be_aborted_only_while_choices_stream():
 
 def test_only_the_middle_tokens_of_one_plain_choice_may_go_packed():
     (seq,), choices = build(request())
-    first = [(seq, event(1))]
-    assert choices.plain_token(first) is None  # the first message carries the prompt's figures
-    choices.accept(first)
-    middle = event(2)
-    assert choices.plain_token([(seq, middle)]) is middle
-    assert choices.plain_token([(seq, event(3)), (seq, event(4))]) is None  # several tokens: one message
-    assert choices.plain_token([SequenceFailed("gone")]) is None
+    assert choices.packable() is None  # the first message carries the prompt's figures
+    choices.accept([(seq, event(1))])
+    assert choices.packable() is seq
     finish(seq, -1.0)
-    assert choices.plain_token([(seq, event(5))]) is None  # the last message carries the finish reason
+    assert choices.packable() is None  # the last message carries the finish reason
     for req in (request(top_logprobs=0), request(n=2), request(best_of=2)):
         seqs, choices = build(req)
         choices.accept([(seqs[0], event(1))])
-        assert choices.plain_token([(seqs[0], event(2))]) is None
+        assert choices.packable() is None

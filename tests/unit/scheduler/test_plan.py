@@ -34,6 +34,7 @@ def test_step_request_is_the_same_message_built_in_place_or_apart():
     assert list(apart.sequences[1].token_ids) == list(range(14, 19))
     assert apart.sequences[0].HasField("sampling") and not apart.sequences[1].HasField("sampling")
     assert list(apart.release_seq_ids) == [7, 8]
+    assert apart.pack_plain_tokens  # the scheduler reads bare tokens from the packed columns
     assert [(c.src_block, c.dst_block) for c in apart.block_copies] == [(1, 2)]
 
 
@@ -49,3 +50,27 @@ def test_sampled_tokens_read_every_field_and_leave_the_defaults_unset():
         2: SampledToken(2, 0, -0.5, ((0, -0.5),), 2, (9, 10)),
     }
     assert sampled_tokens(reply)[1].logprob is None
+
+
+def test_a_worker_asked_to_pack_answers_the_bare_tokens_in_columns():
+    from services.worker.convert import step_to_proto
+    from services.worker.sequence import SampledToken as WorkerToken, StepResult, TokenLogprob
+
+    result = StepResult([
+        WorkerToken(1, 5),
+        WorkerToken(2, 6, logprob=-0.5, top_logprobs=[TokenLogprob(6, -0.5)]),
+        WorkerToken(3, 7, num_accepted_draft_tokens=1),
+        WorkerToken(4, 8, draft_token_ids=(9,)),
+        WorkerToken(5, 0),
+    ], execute_time_us=3)
+    packed = step_to_proto(4, result, pack_plain=True)
+    assert list(packed.plain_seq_ids) == [1, 5] and list(packed.plain_token_ids) == [5, 0]
+    assert sampled_tokens(packed) == {
+        1: 5, 5: 0,
+        2: SampledToken(2, 6, -0.5, ((6, -0.5),)),
+        3: SampledToken(3, 7, None, (), 1),
+        4: SampledToken(4, 8, None, (), 0, (9,)),
+    }
+    plain = step_to_proto(4, result)  # a caller that did not ask gets entries for every token
+    assert not plain.plain_seq_ids and sampled_tokens(plain) == {
+        1: SampledToken(1, 5), 5: SampledToken(5, 0), **{k: v for k, v in sampled_tokens(packed).items() if k in (2, 3, 4)}}

@@ -314,3 +314,30 @@ def test_early_stop_tokens_are_cut_at_max_tokens():
     assert emitted == [7, 7, *EARLY_STOP[:2]]
     plan, events = run_step(policy, worker)
     assert plan is not None and plan.scheduled == [] and plan.release_seq_ids == [1]
+
+
+def test_a_sink_takes_the_middle_tokens_and_the_last_one_is_delivered():
+    policy, worker = make_policy(), FakeWorker(token=7)
+    seq = make_seq(1, arrival_us=1_000, max_tokens=4)
+    policy.add(seq)
+    taken, accepts = [], [True]
+
+    def sink(token_id, batch_size, queue_wait_us, latency_ms):
+        if accepts[0]:
+            taken.append((token_id, batch_size, queue_wait_us, latency_ms))
+        return accepts[0]
+
+    def step(started, finished):
+        plan = policy.schedule()
+        # As a worker asked for packed tokens answers: ids alone where that is all there is.
+        answer = {k: t.token_id if t.logprob is None else t for k, t in worker.step(plan).items()}
+        return [(s.seq_id, e.token_id, e.latency_ms) for s, e in policy.postprocess(plan, answer, started, finished)]
+
+    assert step(2_000, 12_000) == [(1, 7, 11.0)]  # the first token, before the server sets the sink
+    seq.sink = sink
+    assert step(12_400, 20_000) == [] and taken == [(7, 1, 400, 8.0)] and policy.packed_stats == [(400, 8.0)]
+    accepts[0] = False  # the stream's message has an event of this call already
+    assert step(20_000, 21_000) == [(1, 7, 1.0)] and policy.packed_stats == []
+    accepts[0] = True
+    assert step(21_000, 23_000) == [(1, 7, 2.0)] and len(taken) == 1  # the last token carries the finish reason
+    assert seq.is_finished and seq.output_token_ids == [7, 7, 7, 7]

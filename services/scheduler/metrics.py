@@ -31,8 +31,6 @@ from bisect import bisect_left
 from collections.abc import Iterable, Sequence as Seq
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -239,16 +237,11 @@ def observe_many(histogram: Histogram, amounts: list[float]) -> None:
     if not amounts:
         return
     bounds, buckets = histogram._upper_bounds, histogram._buckets
-    if len(amounts) < 16:
-        counts: dict[int, int] = {}
-        for amount in amounts:
-            index = bisect_left(bounds, amount)  # the first bound >= amount, as observe() finds it
-            counts[index] = counts.get(index, 0) + 1
-        items = counts.items()
-    else:  # a batch's worth: searched at once
-        per_bucket = np.bincount(np.searchsorted(bounds, amounts, side="left"), minlength=len(bounds))
-        items = zip(np.flatnonzero(per_bucket).tolist(), per_bucket[per_bucket > 0].tolist())
-    for index, count in items:
+    counts: dict[int, int] = {}
+    for amount in amounts:
+        index = bisect_left(bounds, amount)  # the first bound >= amount, as observe() finds it
+        counts[index] = counts.get(index, 0) + 1
+    for index, count in counts.items():
         buckets[index].inc(count)
     histogram._sum.inc(sum(amounts))
 

@@ -334,7 +334,7 @@ def test_observing_many_at_once_counts_as_observing_each():
     from services.scheduler.metrics import observe_many
 
     amounts = [0.0, 0.0005, 0.001, 0.0011, 0.3, 7.0, 1e9, 0.001, 0.02]
-    amounts += [0.01, 0.1, 1.0, 0.0099, 0.05, 0.5, 2.0, 0.001, 0.0001, 0.3, 0.01]  # past 16: searched at once
+    amounts += [0.01, 0.1, 1.0, 0.0099, 0.05, 0.5, 2.0, 0.001, 0.0001, 0.3, 0.01]  # a batch's worth
     samples = []
     for many in (False, True):
         registry = CollectorRegistry()
@@ -344,7 +344,6 @@ def test_observing_many_at_once_counts_as_observing_each():
             observe_many(child, amounts[:4])
             observe_many(child, [])
             observe_many(child, amounts[4:])
-            assert len(amounts[4:]) >= 16
         else:
             for amount in amounts:
                 child.observe(amount)

@@ -93,7 +93,7 @@ class SimulatedWorkers:
     def answer(self, raw: bytes) -> bytes:
         """The StepStreamResponse to a StepStreamRequest, both serialized."""
         step = worker_pb2.StepStreamRequest.FromString(raw).step
-        sampling = tuple(s.seq_id for s in step.sequences if s.sample)
+        sampling = tuple(step.decode_seq_ids) + tuple(s.seq_id for s in step.sequences if s.sample)
         key = (step.pack_plain_tokens, sampling)
         tokens = self._answers.get(key)
         if tokens is None:

@@ -42,7 +42,7 @@ class Accounting:
         finished = SequenceStatus.FINISHED
         packed_stats = self.packed_stats = []
         for entry in plan.scheduled:
-            seq, computed, num_new, _, is_sampling, _, epoch, drafts = entry
+            seq, computed, num_new, _, is_sampling, _, epoch, drafts, _ = entry
             seq_id = seq.seq_id
             if planned.get(seq_id) is entry:
                 del planned[seq_id]

@@ -130,12 +130,17 @@ class BlockManager:
 
     def shrink(self, seq: Sequence, num_tokens: int) -> None:
         """Give back the blocks past those `num_tokens` tokens need (taken for drafted
-        tokens that were rejected: private, never committed)."""
-        while len(seq.block_table) > max(self.blocks_for(num_tokens), len(seq.block_hashes)):
-            block = self.blocks[seq.block_table.pop()]
+        tokens that were rejected: private, never committed). The table becomes a
+        new list: one changes in place only by growing (Sequence.sent_table)."""
+        keep = max(self.blocks_for(num_tokens), len(seq.block_hashes))
+        if len(seq.block_table) <= keep:
+            return
+        for block_id in reversed(seq.block_table[keep:]):
+            block = self.blocks[block_id]
             assert block.ref_count == 1 and block.hash is None, f"block {block.block_id} is not a private tail"
             block.ref_count = 0
-            self._free.append(block.block_id)
+            self._free.append(block_id)
+        seq.block_table = seq.block_table[:keep]
 
     def commit(self, seq: Sequence) -> None:
         """Register the sequence's newly computed full blocks in the prefix cache."""

@@ -43,6 +43,10 @@ class ScheduledSequence(NamedTuple):
     # Speculative decoding: tokens guessed to follow, fed after the sequence's
     # last token to be verified (counted in num_new_tokens; see speculation.py).
     draft_token_ids: tuple[int, ...] = ()
+    # None: the step carries the sequence's part whole (a SequenceStep). Else a
+    # decode on the block table the worker holds, extended by this block (-1:
+    # none): the step sends its id and that block alone (StepRequest.decode_seq_ids).
+    extends_table: int | None = None
 
     @property
     def token_ids(self) -> list[int]:

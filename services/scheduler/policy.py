@@ -323,10 +323,14 @@ class BatchPolicy(Accounting, BeamSteps, TransferSteps):
                         draft: tuple[int, ...] = ()) -> ScheduledSequence:
         in_flight = self._planned.get(seq.seq_id)
         feeds_last_sampled = in_flight is not None and in_flight.is_sampling
+        table, extends_table = seq.block_table, None
+        if feeds_last_sampled and not draft and seq.sent_table is table and len(table) - seq.num_sent_blocks <= 1:
+            extends_table = table[-1] if len(table) > seq.num_sent_blocks else -1
+        seq.sent_table, seq.num_sent_blocks = table, len(table)
         entry = _new_entry(ScheduledSequence, (
             seq, computed, num_new, feeds_last_sampled,
             feeds_last_sampled or computed + num_new - len(draft) == len(seq.prompt_token_ids) + len(seq.output_token_ids),
-            not seq.is_sent_to_worker, seq.epoch, draft,
+            not seq.is_sent_to_worker, seq.epoch, draft, extends_table,
         ))
         seq.is_sent_to_worker = True
         return entry

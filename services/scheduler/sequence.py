@@ -121,6 +121,12 @@ class Sequence:
     # the full blocks already computed (the prefix-cache keys).
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
+    # The block table as the worker holds it: the list last sent (whole, or
+    # extended by a block) and how many of its blocks were sent. A table changes
+    # in place only by growing (anything else makes a new list), so while
+    # block_table is that list, the worker's table is its first num_sent_blocks.
+    sent_table: list[int] | None = None
+    num_sent_blocks: int = 0
     # Several sequences per request: this one's sibling number (0 = the leader), the
     # siblings that fork from its prompt once computed, and the leader it forks from.
     index: int = 0

@@ -127,7 +127,9 @@ class WorkerClient:
 
 
 def step_request(plan: StepPlan, into: worker_pb2.StepRequest | None = None) -> worker_pb2.StepRequest:
-    """The one Step message for a planned step (filled into `into`, an empty one, if given).
+    """The one Step message for a planned step (filled into `into`, an empty one, if given):
+    a decode on the worker's block table as its id and new block (decode_seq_ids),
+    any other part as a SequenceStep.
 
     Each sequence's part is added in place (`add`): a SequenceStep built apart
     and passed in a list is copied into the request, which costs as much again."""
@@ -135,8 +137,17 @@ def step_request(plan: StepPlan, into: worker_pb2.StepRequest | None = None) -> 
     step.step_id = plan.step_id
     step.pack_plain_tokens = True
     add = step.sequences.add
+    decode_seq_ids, decode_new_blocks = [], []
     for entry in plan.scheduled:
-        _sequence_step(entry, add)
+        new_block = entry.extends_table
+        if new_block is None:
+            _sequence_step(entry, add)
+        else:
+            decode_seq_ids.append(entry.seq.seq_id)
+            decode_new_blocks.append(new_block)
+    if decode_seq_ids:
+        step.decode_seq_ids.extend(decode_seq_ids)
+        step.decode_new_blocks.extend(decode_new_blocks)
     if plan.release_seq_ids:
         step.release_seq_ids.extend(plan.release_seq_ids)
     for src, dst in plan.block_copies:

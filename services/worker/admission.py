@@ -81,9 +81,13 @@ class StepAdmission:
                     "for the sequence in the step before"
                 )
             # Built, not dataclasses.replace'd: that costs ~3 µs a sequence, every decode step.
-            s = SequenceInput(s.seq_id, [state.last_sampled], s.num_computed_tokens, s.sample, s.sampling,
-                              s.block_table, s.num_prompt_tokens, images=s.images,
-                              num_draft_tokens=s.num_draft_tokens)
+            if s.extends_table:  # the worker's own table and tokens (StepRequest.decode_seq_ids)
+                s = SequenceInput(s.seq_id, [state.last_sampled], state.num_cached_tokens, True,
+                                  block_table=state.block_table + s.block_table if s.block_table else state.block_table)
+            else:
+                s = SequenceInput(s.seq_id, [state.last_sampled], s.num_computed_tokens, s.sample, s.sampling,
+                                  s.block_table, s.num_prompt_tokens, images=s.images,
+                                  num_draft_tokens=s.num_draft_tokens)
         if not s.token_ids:
             raise invalid_argument(f"seq {s.seq_id}: token_ids is empty")
         if state is None:

@@ -8,7 +8,7 @@ import warnings
 import grpc
 import torch
 
-from services.common.errors import ServiceError
+from services.common.errors import ServiceError, invalid_argument
 from services.worker.guided import GrammarSpec
 from services.worker.kv_transfer import CacheRegion, PoolDescriptor
 from services.worker.model_runner import ModelDescription
@@ -68,7 +68,14 @@ def step_from_proto(
     """The step's sequences (request order), the seq ids to release first, and the
     (src, dst) block copies to make before the forward. A sequence whose sampling
     or images cannot be read comes with its `refusal`, for the runner to leave out."""
-    inputs = []
+    if len(request.decode_new_blocks) != len(request.decode_seq_ids):
+        raise invalid_argument(f"{len(request.decode_seq_ids)} decode_seq_ids but "
+                               f"{len(request.decode_new_blocks)} decode_new_blocks")
+    inputs = [
+        SequenceInput(seq_id, [], 0, True, block_table=[] if new_block < 0 else [new_block], feed_last_sampled=True,
+                      extends_table=True)
+        for seq_id, new_block in zip(request.decode_seq_ids, request.decode_new_blocks)
+    ]
     for s in request.sequences:
         sampling, images, refusal = None, (), ""
         try:

@@ -351,6 +351,7 @@ class ModelRunner(StepAdmission, SequenceSampling):
                 self._replay_grammar(state, s)
             # Drafts count once kept (_sample adds them).
             state.num_cached_tokens = s.num_computed_tokens + len(s.token_ids) - s.num_draft_tokens
+            state.block_table = s.block_table
         return logits, hidden
 
     def _run_model(self, inputs: list[SequenceInput]) -> tuple[torch.Tensor, torch.Tensor | None]:

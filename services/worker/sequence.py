@@ -88,6 +88,10 @@ class SequenceInput:
     num_draft_tokens: the last that many token_ids are a draft to verify (see
     speculative.py). refusal: why the sequence was refused while its step was
     read (convert.py), "" when it was not: the worker leaves it out of the step.
+    extends_table: a decode of StepRequest.decode_seq_ids (feed_last_sampled,
+    sample): block_table holds only the block to append to the table the worker
+    holds (or nothing), and num_computed_tokens is the worker's; both are
+    resolved when the step runs (admission.py).
     """
 
     seq_id: int
@@ -101,6 +105,7 @@ class SequenceInput:
     images: tuple[ImageInput, ...] = ()
     num_draft_tokens: int = 0
     refusal: str = ""
+    extends_table: bool = False
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,8 @@ class SequenceState:
     last_sampled: int | None = None
     # A vision-language model's images of the sequence; None without.
     images: SequenceImages | None = None
+    # The block table of its last step, which a decode of StepRequest.decode_seq_ids extends.
+    block_table: list[int] = field(default_factory=list)
 
 
 class SequenceSampling:

@@ -74,3 +74,35 @@ def test_a_worker_asked_to_pack_answers_the_bare_tokens_in_columns():
     plain = step_to_proto(4, result)  # a caller that did not ask gets entries for every token
     assert not plain.plain_seq_ids and sampled_tokens(plain) == {
         1: SampledToken(1, 5), 5: SampledToken(5, 0), **{k: v for k, v in sampled_tokens(packed).items() if k in (2, 3, 4)}}
+
+
+def test_a_decode_goes_as_its_id_on_the_workers_table_until_the_table_is_a_new_list():
+    from tests.unit.scheduler.test_policy import FakeWorker, make_policy
+
+    policy, worker = make_policy(block_size=4), FakeWorker(token=7)
+    seq = make_seq(1, prompt_len=3, max_tokens=20)
+    policy.add(seq)
+    prefill = policy.schedule()
+    ahead = policy.schedule()  # planned before the prefill's answer: feeds the token in flight
+    assert prefill.scheduled[0].extends_table is None  # sent whole
+    assert ahead.scheduled[0].extends_table == -1  # position 3 is in the first block
+    policy.postprocess(prefill, worker.step(prefill), 0, 0)
+    grows = policy.schedule()
+    assert grows.scheduled[0].extends_table == seq.block_table[1] and len(seq.block_table) == 2
+    message = step_request(grows)
+    assert list(message.decode_seq_ids) == [1] and list(message.decode_new_blocks) == [seq.block_table[1]]
+    assert not message.sequences
+    for plan in (ahead, grows):
+        policy.postprocess(plan, worker.step(plan), 0, 0)
+    seq.block_table = list(seq.block_table)  # as anything but growing leaves it (preemption, a shrink)
+    assert policy.schedule().scheduled[0].extends_table is None  # sent whole again
+
+
+def test_a_shrunk_table_is_a_new_list():
+    from services.scheduler.block_manager import BlockManager
+
+    blocks, seq = BlockManager(8, 4), make_seq(1, prompt_len=3)
+    blocks.grow(seq, 12)
+    table = seq.block_table
+    blocks.shrink(seq, 5)  # the drafts' blocks go back
+    assert seq.block_table is not table and seq.block_table == table[:2] and blocks.num_free_blocks == 6

@@ -289,11 +289,19 @@ async def run_point(point: Point, args, tree: Path = ROOT, profile: str | None =
         for caller in callers:
             caller.start()
 
+        admit_started = last_said = time.monotonic()
+
         async def all_running() -> bool:
+            nonlocal last_said
             load = await stub.GetLoad(scheduler_pb2.GetLoadRequest(), timeout=5)
+            if time.monotonic() - last_said >= 5:
+                last_said = time.monotonic()
+                print(f"{point}: {load.num_running} of {num_calls} calls running after "
+                      f"{last_said - admit_started:.0f} s", file=sys.stderr, flush=True)
             return load.num_running >= num_calls
 
         await wait_for(all_running, args.admit_timeout_s, "running sequences", process)
+        admit_s = time.monotonic() - admit_started
         await asyncio.sleep(args.warmup_s)
         scheduler, bench = psutil.Process(process.pid), psutil.Process()
         windows = []
@@ -331,7 +339,8 @@ async def run_point(point: Point, args, tree: Path = ROOT, profile: str | None =
                 process.kill()
                 process.wait()
         await workers.stop()
-    result = {"workers": point.num_workers, "sequences_per_worker": point.num_sequences, "streams": num_streams}
+    result = {"workers": point.num_workers, "sequences_per_worker": point.num_sequences, "streams": num_streams,
+              "admit_s": round(admit_s, 1)}
     for key in windows[0]:
         values = sorted(w[key] for w in windows)
         result[key] = round(statistics.median(values), 1)
@@ -343,7 +352,7 @@ async def run_point(point: Point, args, tree: Path = ROOT, profile: str | None =
 
 COLUMNS = (("tree", "tree"), ("workers", "W"), ("sequences_per_worker", "S"), ("steps_per_s", "steps/s"),
            ("tokens_per_s", "tokens/s"), ("scheduler_cpu_us_per_step", "sched CPU µs/step"),
-           ("planning_us_per_step", "planning µs/step"),
+           ("planning_us_per_step", "planning µs/step"), ("admit_s", "all running after s"),
            ("scheduler_cpu_pct", "sched CPU %"), ("bench_cpu_pct", "bench CPU %"), ("error", "error"))
 
 

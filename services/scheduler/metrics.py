@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import itertools
 from bisect import bisect_left
-from collections.abc import Iterable, Sequence as Seq
+import collections
+from collections.abc import Iterable, Mapping, Sequence as Seq
 from typing import TYPE_CHECKING
 
 from prometheus_client import Counter, Gauge, Histogram
@@ -189,8 +190,11 @@ class EngineMetrics:
             self.step_batch_size.observe(prefills + decodes)
         prompt = 0
         previous = None
-        itls = [latency_ms * 1e-3 for _, latency_ms in packed]
-        queue_waits = [queue_wait_us * US for queue_wait_us, _ in packed]
+        itls: collections.Counter[float] = collections.Counter()
+        queue_waits: collections.Counter[float] = collections.Counter()
+        for (queue_wait_us, latency_ms), count in collections.Counter(packed).items():  # a step's tokens mostly share them
+            itls[latency_ms * 1e-3] += count
+            queue_waits[queue_wait_us * US] += count
         for seq, event in events:
             if seq is previous:
                 continue  # forced tokens (a spent thinking budget) come with the sampled one: not a new latency
@@ -201,8 +205,8 @@ class EngineMetrics:
                 prompt += seq.num_prompt_tokens
                 self.ttft.observe((finished_us - seq.arrival_us) * US)
             else:
-                itls.append(event.latency_ms * 1e-3)
-            queue_waits.append(event.queue_wait_us * US)
+                itls[event.latency_ms * 1e-3] += 1
+            queue_waits[event.queue_wait_us * US] += 1
         observe_many(self.itl, itls)
         observe_many(self.token_queue_wait, queue_waits)
         if prompt:
@@ -229,21 +233,24 @@ class EngineMetrics:
         self.request_generation_tokens.observe(generated)
 
 
-def observe_many(histogram: Histogram, amounts: list[float]) -> None:
-    """`histogram.observe(amount)` for each amount (a labelled histogram's, no
-    exemplars), with one increment per bucket touched and one of the sum: a step
-    observes a latency and a queue wait per token, and each `observe` takes
-    locks and walks the buckets (prometheus_client 0.26's internals, pinned)."""
+def observe_many(histogram: Histogram, amounts: Mapping[float, int]) -> None:
+    """`histogram.observe(amount)` `count` times for each amount and count (a
+    labelled histogram's, no exemplars), with one increment per bucket touched
+    and one of the sum: a step observes a latency and a queue wait per token,
+    and each `observe` takes locks and walks the buckets (prometheus_client
+    0.26's internals, pinned)."""
     if not amounts:
         return
     bounds, buckets = histogram._upper_bounds, histogram._buckets
-    counts: dict[int, int] = {}
-    for amount in amounts:
+    per_bucket: dict[int, int] = {}
+    total = 0.0
+    for amount, count in amounts.items():
         index = bisect_left(bounds, amount)  # the first bound >= amount, as observe() finds it
-        counts[index] = counts.get(index, 0) + 1
-    for index, count in counts.items():
+        per_bucket[index] = per_bucket.get(index, 0) + count
+        total += amount * count
+    for index, count in per_bucket.items():
         buckets[index].inc(count)
-    histogram._sum.inc(sum(amounts))
+    histogram._sum.inc(total)
 
 
 class _StateCollector(Collector):

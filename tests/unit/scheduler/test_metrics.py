@@ -331,6 +331,8 @@ def test_a_discovered_worker_takes_the_engine_label_of_one_that_left():
 def test_observing_many_at_once_counts_as_observing_each():
     from prometheus_client import CollectorRegistry, Histogram
 
+    from collections import Counter
+
     from services.scheduler.metrics import observe_many
 
     amounts = [0.0, 0.0005, 0.001, 0.0011, 0.3, 7.0, 1e9, 0.001, 0.02]
@@ -341,9 +343,9 @@ def test_observing_many_at_once_counts_as_observing_each():
         histogram = Histogram("latency", "seconds", ["engine"], buckets=(0.001, 0.01, 0.1, 1.0), registry=registry)
         child = histogram.labels("0")
         if many:
-            observe_many(child, amounts[:4])
-            observe_many(child, [])
-            observe_many(child, amounts[4:])
+            observe_many(child, Counter(amounts[:4]))
+            observe_many(child, {})
+            observe_many(child, Counter(amounts[4:]))  # 0.3, 0.01 and 0.001 twice
         else:
             for amount in amounts:
                 child.observe(amount)

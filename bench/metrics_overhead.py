@@ -36,7 +36,7 @@ from services.scheduler.engine import EngineLoop
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.plan import ScheduledSequence, StepPlan, WorkerCapacity
 from services.scheduler.policy import BatchPolicy
-from services.scheduler.sequence import SamplingParams, Sequence, StoppingCriteria, TokenEvent
+from services.scheduler.sequence import SamplingParams, Sequence, StoppingCriteria
 
 MODEL = "bench"
 CHAT = "/v1/chat/completions"
@@ -64,12 +64,13 @@ class MetricsPath:
                               first_scheduled_us=arrival_us + self.step_us, first_token_us=first_token_us,
                               last_event_us=self.now_us)
                      for i in range(sequences)]
-        self.plan = StepPlan(1, [ScheduledSequence(seq, seq.num_tokens - 1, 1) for seq in self.seqs])
-        self.events = [(seq, TokenEvent(token_id=11, batch_size=sequences, queue_wait_us=self.step_us // 10,
-                                        latency_ms=step_ms)) for seq in self.seqs]
+        self.plan = StepPlan(1, [ScheduledSequence(seq, seq.num_tokens - 1, 1) for seq in self.seqs],
+                             num_decodes=sequences)
+        # Middle tokens of one-choice requests: packed, as postprocess hands them over (no events).
+        self.packed = [(self.step_us // 10, step_ms)] * sequences
 
     def step(self) -> None:
-        self.engine.on_step(self.plan, self.events, self.now_us - self.step_us, self.now_us)
+        self.engine.on_step(self.plan, [], self.now_us - self.step_us, self.now_us, self.packed)
 
     def finish(self) -> None:
         self.engine.on_finished(self.seqs[0], "length", self.now_us)

@@ -445,13 +445,40 @@ def draw_neighbour(fig: Figure, fs: dict) -> str:
     return f"ratios to {settings[0]} under the same load (medians of all rounds)"
 
 
+# --- one scheduler's CPU per step, two trees (bench.scheduler_throughput) ------------------------
+
+def draw_scheduler(fig: Figure, fs: dict) -> str:
+    rows = records(fs)
+    ax = fig.subplots()
+    xs = range(len(rows))
+    before = [r["before_us"] for r in rows]
+    ax.bar([x - 0.2 for x in xs], [b or 0 for b in before], 0.4, color=ENGINE, label=fs["labels"]["before"])
+    ax.bar([x + 0.2 for x in xs], [r["after_us"] for r in rows], 0.4, color=OURS, label=fs["labels"]["after"])
+    for x, r in zip(xs, rows):
+        if r["before_us"] is None:
+            _label(ax, x - 0.2, fs["goal_us"], "not all\nrunning\nin 60 s", fontsize=7, color=GREY)
+        else:
+            _label(ax, x - 0.2, r["before_us"], f"{r['before_us']:,.0f}", fontsize=7)
+        ratio = f"\n{_times(r['ratio'])}" if r["ratio"] is not None else ""
+        _label(ax, x + 0.2, r["after_us"], f"{r['after_us']:,.0f}{ratio}", fontsize=7, fontweight="bold")
+    ax.axhline(fs["goal_us"], color=PEER, linestyle="--", linewidth=1.5, label=fs["labels"]["goal"])
+    _value_axis(ax, "scheduler CPU per step (µs, all its threads)", max(b or 0 for b in before), log=True,
+                log_headroom=3)
+    ax.set_ylim(bottom=fs["goal_us"] / 2)
+    ax.set_xticks(list(xs), [f"{r['workers']} × {r['sequences']}" for r in rows])
+    ax.set_xlabel("workers × sequences each")
+    ax.legend(loc="upper left", fontsize=9)
+    return ("medians of the rounds; ×: after ÷ before, the median of the per-round ratios; "
+            "the simulated workers and the caller share the machine's cores with the scheduler")
+
+
 # A figure set's `kind` picks its drawer: it draws the set on an empty figure and
 # returns the line under it that says how to read it.
 DRAWERS: dict[str, Callable[[Figure, dict], str]] = {
     "peers": draw_peers, "endpoints": draw_endpoints, "paired_ratios": draw_paired_ratios,
     "kernel_ab": draw_kernel_ab, "floors": draw_floors, "step_sides": draw_step_sides, "ab_rounds": draw_ab_rounds,
     "cpu_bound": draw_cpu_bound, "timeline": draw_timeline, "disaggregation": draw_disaggregation,
-    "neighbour": draw_neighbour,
+    "neighbour": draw_neighbour, "scheduler": draw_scheduler,
 }
 
 

@@ -105,7 +105,7 @@ class Accounting:
         self.speculator.on_verified(seq, len(entry.draft_token_ids), kept)
         new_tokens = list(entry.draft_token_ids[:kept]) + [token.token_id]
         for n, token_id in enumerate(new_tokens):
-            if self._is_stop_token(seq, token_id) or len(seq.output_token_ids) + n + 1 >= seq.stopping.max_tokens:
+            if token_id in seq.stop_ids or len(seq.output_token_ids) + n + 1 >= seq.stopping.max_tokens:
                 new_tokens = new_tokens[: n + 1]
                 break
         seq.output_token_ids.extend(new_tokens)
@@ -140,15 +140,9 @@ class Accounting:
             self.finish(seq, FinishReason.LENGTH)
         return forced
 
-    def _is_stop_token(self, seq: Sequence, token_id: int) -> bool:
-        stopping = seq.stopping
-        is_eos = token_id in self.capacity.eos_token_ids and not stopping.ignore_eos
-        return is_eos or token_id in stopping.stop_token_ids
-
     def _check_finished(self, seq: Sequence, token_id: int) -> None:
-        stopping = seq.stopping
-        if self._is_stop_token(seq, token_id):
+        if token_id in seq.stop_ids:
             seq.ended_by_stop_token = True
             self.finish(seq, FinishReason.STOP)
-        elif len(seq.output_token_ids) >= stopping.max_tokens:
+        elif len(seq.output_token_ids) >= seq.stopping.max_tokens:
             self.finish(seq, FinishReason.LENGTH)

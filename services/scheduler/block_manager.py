@@ -149,9 +149,9 @@ class BlockManager:
             return
         start = len(seq.block_hashes) * self.block_size
         parent = seq.block_hashes[-1] if seq.block_hashes else _ROOT_HASH
-        tokens_all = seq.cache_keys
+        keys, offset = seq.cache_keys_in(start, num_full * self.block_size), start
         for index in range(len(seq.block_hashes), num_full):
-            tokens = tuple(tokens_all[start : start + self.block_size])
+            tokens = tuple(keys[start - offset : start - offset + self.block_size])
             parent = hash((parent, tokens))
             block = self.blocks[seq.block_table[index]]
             # Two sequences may compute the same content at once: the first one

@@ -110,8 +110,11 @@ class BatchPolicy(Accounting, BeamSteps, TransferSteps):
                 search.eos_token_ids = self.capacity.eos_token_ids
             self.waiting.append(search.beams[0])
             return
+        eos = self.capacity.eos_token_ids
         for seq in seqs:
             self._check_fits(seq, 1)
+            stopping = seq.stopping
+            seq.stop_ids = stopping.stop_token_ids if stopping.ignore_eos else stopping.stop_token_ids | eos
         leader, *siblings = seqs
         if siblings and not leader.sampling.has_penalties:
             leader.forks = siblings

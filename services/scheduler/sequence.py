@@ -158,6 +158,9 @@ class Sequence:
     # sink(token_id, batch_size, queue_wait_us, latency_ms) -> whether it took the
     # token. A token it does not take (nor a sequence's last) is delivered as an event.
     sink: Callable[[int, int, int, float], bool] | None = None
+    # The tokens that end it: its stop_token_ids, and the model's EOS unless
+    # ignore_eos (set by the policy it is added to).
+    stop_ids: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
         self.last_event_us = self.last_event_us or self.arrival_us
@@ -194,6 +197,15 @@ class Sequence:
     @property
     def cache_keys(self) -> list[Hashable]:
         """all_token_ids as the prefix cache keys them (see prompt_cache_keys)."""
-        if not self.images:
-            return self.all_token_ids
-        return self.prompt_cache_keys + self.output_token_ids
+        return self.cache_keys_in(0, self.num_tokens)
+
+    def cache_keys_in(self, start: int, end: int) -> list[Hashable]:
+        """cache_keys[start:end], sliced from the prompt's and the outputs' without
+        building the whole (a block of a long sequence fills every block_size tokens)."""
+        prompt = self.prompt_cache_keys if self.images else self.prompt_token_ids
+        num_prompt = len(prompt)
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt : end - num_prompt]
+        if end <= num_prompt:
+            return prompt[start:end]
+        return prompt[start:] + self.output_token_ids[: end - num_prompt]

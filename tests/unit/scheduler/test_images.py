@@ -48,3 +48,13 @@ def test_one_step_admits_images_up_to_its_byte_budget():
         policy.add(_with_image(seq_id, content_hash, num_bytes=big))
     policy.add(make_seq(3))
     assert [e.seq.seq_id for e in policy.schedule().scheduled] == [1]  # 2 waits, and 3 behind it
+
+
+def test_any_slice_of_the_cache_keys_is_cut_from_the_prompts_and_the_outputs():
+    for seq in (_with_image(1, b"a"), make_seq(2, prompt_len=12)):
+        seq.output_token_ids = [50, 51, 52, 53]
+        keys = seq.cache_keys
+        assert len(keys) == seq.num_tokens and (not seq.images or keys[3] == (seq.prompt_token_ids[3], b"a"))
+        for start in range(len(keys) + 1):
+            for end in range(start, len(keys) + 1):
+                assert seq.cache_keys_in(start, end) == keys[start:end], (start, end)

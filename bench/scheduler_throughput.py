@@ -17,7 +17,8 @@ step at once, fed through its own gRPC API as the tokenizer feeds it.
   `worker_addresses` setting (STORMSERVE_WORKER_ADDRESSES), with maxBatchSize S.
 
 Per point (W workers x S sequences each), after the warm-up (every call
-admitted, `--warmup-s` more), `--repeats` windows of `--seconds`: steps/s of
+admitted, said every 5 s while it goes and reported as `admit_s`; then
+`--warmup-s` more), `--repeats` windows of `--seconds`: steps/s of
 all workers together (GetLoad's num_steps), tokens/s delivered to the caller,
 the scheduler's process CPU time (all its threads, from /proc) per step in µs,
 and both processes' CPU use in % of one core. The figures are the medians over

@@ -83,7 +83,7 @@ class SimulatedWorkers:
         self.description = worker_pb2.DescribeResponse(
             model_path="simulated", vocab_size=VOCAB_SIZE, eos_token_ids=[EOS_TOKEN_ID],
             max_position_embeddings=1 << 20, device="cpu", dtype="bfloat16", num_kv_blocks=num_kv_blocks,
-            block_size=block_size, max_batch_size=max_batch_size)
+            block_size=block_size, max_batch_size=max_batch_size, holds_block_tables=True)
         self.num_workers = num_workers
         self.num_steps = 0
         self.num_tokens = 0

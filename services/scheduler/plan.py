@@ -17,6 +17,8 @@ class WorkerCapacity:
     max_batch_size: int
     eos_token_ids: frozenset[int]
     role: str = "both"  # prefill, decode or both
+    # It keeps block tables between steps: decodes may go by id (StepRequest.decode_seq_ids).
+    holds_block_tables: bool = False
 
 
 class ScheduledSequence(NamedTuple):

@@ -327,7 +327,8 @@ class BatchPolicy(Accounting, BeamSteps, TransferSteps):
         in_flight = self._planned.get(seq.seq_id)
         feeds_last_sampled = in_flight is not None and in_flight.is_sampling
         table, extends_table = seq.block_table, None
-        if feeds_last_sampled and not draft and seq.sent_table is table and len(table) - seq.num_sent_blocks <= 1:
+        if feeds_last_sampled and not draft and seq.sent_table is table and len(table) - seq.num_sent_blocks <= 1 \
+                and self.capacity.holds_block_tables:
             extends_table = table[-1] if len(table) > seq.num_sent_blocks else -1
         seq.sent_table, seq.num_sent_blocks = table, len(table)
         entry = _new_entry(ScheduledSequence, (

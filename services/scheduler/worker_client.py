@@ -60,6 +60,7 @@ class WorkerClient:
             max_batch_size=reply.max_batch_size,
             eos_token_ids=frozenset(reply.eos_token_ids),
             role=reply.role or "both",
+            holds_block_tables=reply.holds_block_tables,
         )
         return capacity, reply
 

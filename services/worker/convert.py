@@ -150,6 +150,7 @@ def describe_to_proto(description: ModelDescription) -> worker_pb2.DescribeRespo
         block_size=description.block_size,
         max_batch_size=description.max_batch_size,
         sampling_defaults=sampling_defaults,
+        holds_block_tables=True,
     )
 
 

@@ -98,6 +98,23 @@ def test_a_decode_goes_as_its_id_on_the_workers_table_until_the_table_is_a_new_l
     assert policy.schedule().scheduled[0].extends_table is None  # sent whole again
 
 
+def test_a_worker_that_does_not_hold_tables_gets_every_decode_whole():
+    import dataclasses
+
+    from tests.unit.scheduler.test_policy import FakeWorker, make_policy
+
+    policy, worker = make_policy(block_size=4), FakeWorker(token=7)
+    policy.capacity = dataclasses.replace(policy.capacity, holds_block_tables=False)  # an older worker
+    policy.add(make_seq(1, prompt_len=3, max_tokens=20))
+    plans = [policy.schedule(), policy.schedule()]
+    for _ in range(4):
+        policy.postprocess(plans[-2], worker.step(plans[-2]), 0, 0)
+        plans.append(policy.schedule())
+    assert all(e.feeds_last_sampled for p in plans[1:] for e in p.scheduled)
+    assert all(e.extends_table is None for p in plans for e in p.scheduled)
+    assert not step_request(plans[-1]).decode_seq_ids
+
+
 def test_a_shrunk_table_is_a_new_list():
     from services.scheduler.block_manager import BlockManager
 

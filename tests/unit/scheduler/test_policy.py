@@ -23,7 +23,7 @@ BLOCK_SIZE = 4
 def make_policy(num_blocks=100, block_size=BLOCK_SIZE, max_batch_size=8, max_prefill_tokens=1000, speculation=None,
                 speculator=None):
     capacity = WorkerCapacity(num_kv_blocks=num_blocks, block_size=block_size, max_batch_size=64,
-                              eos_token_ids=frozenset({EOS}))
+                              eos_token_ids=frozenset({EOS}), holds_block_tables=True)
     if speculation is not None:
         speculator = Speculator(speculation)
     return BatchPolicy(capacity, max_batch_size, max_prefill_tokens, speculator)

@@ -17,7 +17,7 @@ from services.scheduler.plan import WorkerCapacity
 from services.scheduler.policy import BatchPolicy
 from services.scheduler.speculation import SpeculationConfig, Speculator
 from services.scheduler.worker_client import sampled_tokens, step_request
-from services.worker.convert import step_from_proto, step_to_proto
+from services.worker.convert import describe_to_proto, step_from_proto, step_to_proto
 from services.worker.model_runner import ModelRunner
 from services.worker.platforms import select_platform
 from stormserve.scheduler.v1 import scheduler_pb2
@@ -37,8 +37,9 @@ def small_blocks_runner(model_dir) -> ModelRunner:
 def test_pipelined_decodes_on_the_workers_tables_give_greedy_text(small_blocks_runner, reference_model, speculation):
     runner = small_blocks_runner
     description = runner.describe()
+    # No EOS: every sequence runs to max_tokens. It holds tables, as its Describe says.
     capacity = WorkerCapacity(description.num_kv_blocks, description.block_size, description.max_batch_size,
-                              frozenset())  # no EOS: every sequence runs to max_tokens
+                              frozenset(), holds_block_tables=describe_to_proto(description).holds_block_tables)
     policy = BatchPolicy(capacity, max_batch_size=16, max_prefill_tokens=512,
                          speculator=Speculator(SpeculationConfig(method=speculation)))
     ids = itertools.count(1)

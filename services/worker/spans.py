@@ -36,11 +36,16 @@ class StepSpans:
                     self._sequences[s.seq_id] = span
             if span is not None:
                 links.append(Link(span.get_span_context()))
+        for seq_id in request.decode_seq_ids:  # decodes by id: their span began with their first step
+            if (span := self._sequences.get(seq_id)) is not None:
+                links.append(Link(span.get_span_context()))
+        num_decodes = len(request.decode_seq_ids)
         step = tracing.tracer.start_span(
             "step", start_time=started_ns, links=links,
             attributes={"stormserve.step_id": request.step_id,
-                        "stormserve.step.num_sequences": len(request.sequences),
-                        "stormserve.step.num_tokens": sum(len(s.token_ids) or 1 for s in request.sequences)})
+                        "stormserve.step.num_sequences": len(request.sequences) + num_decodes,
+                        "stormserve.step.num_tokens": num_decodes + sum(len(s.token_ids) or 1
+                                                                        for s in request.sequences)})
         if not ok:
             step.set_status(trace.StatusCode.ERROR)
         step.end(end_time=ended_ns)

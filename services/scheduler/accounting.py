@@ -64,13 +64,15 @@ class Accounting:
             if type(token) is int:
                 token_id, logprob, top, drafted = token, None, (), ()
             else:
-                token_id, logprob, top, drafted = token.token_id, token.logprob, token.top_logprobs, token.draft_token_ids
+                token_id, logprob, top, drafted = (token.token_id, token.logprob, token.top_logprobs,
+                                                   token.draft_token_ids)
             last_event_us = seq.last_event_us
             queue_wait_us = started_us - last_event_us if started_us > last_event_us else 0
             latency_ms = (finished_us - last_event_us if finished_us > last_event_us else 0) / 1000.0
             seq.last_event_us = finished_us
             if seq.beam is not None:
-                seq.beam.offer(seq, list(top), TokenEvent(token_id, batch_size, queue_wait_us, latency_ms, logprob, top))
+                event = TokenEvent(token_id, batch_size, queue_wait_us, latency_ms, logprob, top)
+                seq.beam.offer(seq, list(top), event)
                 if seq.beam.is_ready and seq.beam not in searches:
                     searches.append(seq.beam)
                 continue

@@ -26,9 +26,9 @@ are our sibling sequences counted, each with its prompt.
 """
 from __future__ import annotations
 
+import collections
 import itertools
 from bisect import bisect_left
-import collections
 from collections.abc import Iterable, Mapping, Sequence as Seq
 from typing import TYPE_CHECKING
 
@@ -192,7 +192,8 @@ class EngineMetrics:
         previous = None
         itls: collections.Counter[float] = collections.Counter()
         queue_waits: collections.Counter[float] = collections.Counter()
-        for (queue_wait_us, latency_ms), count in collections.Counter(packed).items():  # a step's tokens mostly share them
+        # Counted by value first: a step's tokens mostly share their latency and queue wait.
+        for (queue_wait_us, latency_ms), count in collections.Counter(packed).items():
             itls[latency_ms * 1e-3] += count
             queue_waits[queue_wait_us * US] += count
         for seq, event in events:

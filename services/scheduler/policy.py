@@ -333,7 +333,8 @@ class BatchPolicy(Accounting, BeamSteps, TransferSteps):
         seq.sent_table, seq.num_sent_blocks = table, len(table)
         entry = _new_entry(ScheduledSequence, (
             seq, computed, num_new, feeds_last_sampled,
-            feeds_last_sampled or computed + num_new - len(draft) == len(seq.prompt_token_ids) + len(seq.output_token_ids),
+            feeds_last_sampled
+            or computed + num_new - len(draft) == len(seq.prompt_token_ids) + len(seq.output_token_ids),
             not seq.is_sent_to_worker, seq.epoch, draft, extends_table,
         ))
         seq.is_sent_to_worker = True

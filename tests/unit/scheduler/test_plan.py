@@ -72,8 +72,9 @@ def test_a_worker_asked_to_pack_answers_the_bare_tokens_in_columns():
         4: SampledToken(4, 8, None, (), 0, (9,)),
     }
     plain = step_to_proto(4, result)  # a caller that did not ask gets entries for every token
-    assert not plain.plain_seq_ids and sampled_tokens(plain) == {
-        1: SampledToken(1, 5), 5: SampledToken(5, 0), **{k: v for k, v in sampled_tokens(packed).items() if k in (2, 3, 4)}}
+    entries = {k: v for k, v in sampled_tokens(packed).items() if k in (2, 3, 4)}
+    assert not plain.plain_seq_ids
+    assert sampled_tokens(plain) == {1: SampledToken(1, 5), 5: SampledToken(5, 0), **entries}
 
 
 def test_a_decode_goes_as_its_id_on_the_workers_table_until_the_table_is_a_new_list():

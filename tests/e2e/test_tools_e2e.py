@@ -183,8 +183,13 @@ def test_request_example_1_auto(base_url):
     # a call it does write must still come back parsed.
     for call in message["tool_calls"]:
         check_call(call, [DELIVERY])
-    assert choice["finish_reason"] == "tool_calls" if message["tool_calls"] else choice["finish_reason"] == "stop"
-    assert reply["usage"]["total_tokens"] == reply["usage"]["prompt_tokens"] + reply["usage"]["completion_tokens"]
+    finish, usage = choice["finish_reason"], reply["usage"]
+    if message["tool_calls"]:
+        assert finish == "tool_calls"
+    else:  # unseeded sampling: now and then the answer runs on to max_tokens
+        assert finish == "stop" or (finish == "length" and usage["completion_tokens"] == EXAMPLE_1["max_tokens"]), \
+            (finish, usage)
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
 
 
 def test_request_example_2_prior_call_and_tool_result(base_url):

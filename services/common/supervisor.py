@@ -62,10 +62,21 @@ SUPERVISE_POLL_S = 0.5
 SUPERVISOR_PID_ENV = "STORMSERVE_SUPERVISOR_PID"
 
 
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now that this process has not handed out before. The kernel
+    may give a released port out again, and two services of a chain given the same
+    one would both bind it (gRPC servers bind with SO_REUSEPORT) and answer each
+    other's calls ("Method not found")."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 def exit_with_supervisor() -> None:

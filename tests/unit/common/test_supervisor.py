@@ -309,3 +309,28 @@ def test_disaggregated_groups_each_get_their_prefill_and_decode_workers(monkeypa
     for spec in ("2P", "0P1D", "1P0D", "PD"):
         with pytest.raises(ValueError, match="like 1P1D"):
             disaggregated_roles(spec, groups=1)
+
+
+def test_free_port_never_hands_out_a_port_twice(monkeypatch):
+    import socket as socket_module
+
+    from services.common import supervisor
+
+    ports = iter([41001, 41002, 41001, 41002, 41003])  # the kernel giving released ports out again
+
+    class Socket:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def bind(self, address):
+            self.port = next(ports)
+
+        def getsockname(self):
+            return ("127.0.0.1", self.port)
+
+    monkeypatch.setattr(supervisor, "_handed_out", set())
+    monkeypatch.setattr(socket_module, "socket", Socket)
+    assert [supervisor.free_port() for _ in range(3)] == [41001, 41002, 41003]

@@ -26,6 +26,7 @@ class Accounting:
     finish: Callable[[Sequence, FinishReason], None]
     _fork: Callable[[Sequence], None]
     _advance_beams: Callable[[BeamSearch], list[tuple[Sequence, TokenEvent]]]
+    _steady_answered: Callable[[int], None]
 
     def postprocess(self, plan: StepPlan, sampled: dict[int, SampledToken | int], started_us: int,
                     finished_us: int) -> list[tuple[Sequence, TokenEvent]]:
@@ -35,12 +36,14 @@ class Accounting:
         where there is nothing else (no log-probabilities, no drafts). Returns the
         tokens to deliver; a token its sequence's `sink` took (a middle token of a
         one-choice request) is not among them, but in `packed_stats`."""
-        events = []
+        events: list[tuple[Sequence, TokenEvent]] = []
         searches: list[BeamSearch] = []  # beam searches whose every beam has offered
         self._outstanding.pop(plan.step_id, None)
-        planned, batch_size, block_size = self._planned, len(plan.scheduled), self.blocks.block_size
+        planned, batch_size, block_size = self._planned, plan.batch_size, self.blocks.block_size
         finished = SequenceStatus.FINISHED
         packed_stats = self.packed_stats = []
+        if plan.steady.seqs:
+            self._take_steady(plan, sampled, started_us, finished_us, events)
         for entry in plan.scheduled:
             seq, computed, num_new, _, is_sampling, _, epoch, drafts, _ = entry
             seq_id = seq.seq_id
@@ -97,6 +100,41 @@ class Accounting:
             if search.is_ready:  # a beam may have been preempted to make room for another search's fork
                 events += self._advance_beams(search)
         return events
+
+    def _take_steady(self, plan: StepPlan, sampled: dict[int, SampledToken | int], started_us: int,
+                     finished_us: int, events: list[tuple[Sequence, TokenEvent]]) -> None:
+        """The steady decodes' tokens (steady.py): each a plain one (nothing asked
+        but the id), taken as postprocess takes any sampled token. Their queue
+        waits and latencies are mostly one pair (all counted from the step
+        before), computed once per distinct `last_event_us`."""
+        self._steady_answered(plan.step_id)
+        batch_size, block_size, packed_stats = plan.batch_size, self.blocks.block_size, self.packed_stats
+        running = SequenceStatus.RUNNING
+        last_event_us, stats = None, (0, 0.0)
+        for seq in plan.steady.seqs:
+            if seq.status is not running:
+                # Ended, or preempted, since planning: a preempted sequence runs again
+                # only from a step planned after this one is accounted.
+                continue
+            seq.num_computed_tokens = computed = seq.num_computed_tokens + 1
+            if computed // block_size > len(seq.block_hashes):
+                self.blocks.commit(seq)
+            token_id = sampled[seq.seq_id]
+            if type(token_id) is not int:
+                token_id = token_id.token_id
+            if seq.last_event_us != last_event_us:
+                last_event_us = seq.last_event_us
+                stats = (started_us - last_event_us if started_us > last_event_us else 0,
+                         (finished_us - last_event_us if finished_us > last_event_us else 0) / 1000.0)
+            seq.last_event_us = finished_us
+            outputs = seq.output_token_ids
+            outputs.append(token_id)
+            if token_id in seq.stop_ids or len(outputs) >= seq.stopping.max_tokens:
+                self._check_finished(seq, token_id)
+            elif (sink := seq.sink) is not None and sink(token_id, batch_size, *stats):
+                packed_stats.append(stats)
+                continue
+            events.append((seq, TokenEvent(token_id, batch_size, *stats)))
 
     def _take_verified(self, entry: ScheduledSequence, token: SampledToken, plan: StepPlan, started_us: int,
                        finished_us: int) -> list[tuple[Sequence, TokenEvent]]:

@@ -30,7 +30,7 @@ from services.common.errors import STEP_FAILED, WORKER_LOST
 from services.scheduler.metrics import EngineMetrics
 from services.scheduler.plan import StepAnswer
 from services.scheduler.policy import BatchPolicy, StepPlan, WorkerCapacity
-from services.scheduler.sequence import FinishReason, Sequence, TokenEvent
+from services.scheduler.sequence import FinishReason, Sequence, SequenceStatus, TokenEvent
 from services.scheduler.speculation import SpeculationConfig, Speculator
 from services.scheduler.worker_client import StepRefused, WorkerClient, WorkerError, WorkerHealth
 
@@ -236,10 +236,12 @@ class EngineLoop:
         worker's message. A refusal of a sequence ended or preempted since the
         step was planned (refused in the step before, when this one was planned
         ahead) changes nothing."""
-        for entry in plan.scheduled:
-            seq = entry.seq
+        running = SequenceStatus.RUNNING
+        parts = [(entry.seq, entry.epoch) for entry in plan.scheduled]
+        parts += [(seq, seq.epoch) for seq in plan.steady.seqs if seq.status is running]  # see _take_steady
+        for seq, epoch in parts:
             message = answer.refused.get(seq.seq_id)
-            if message is None or seq.is_finished or entry.epoch != seq.epoch:
+            if message is None or seq.is_finished or epoch != seq.epoch:
                 continue
             log.warning("%s: the worker refused sequence %d: %s", seq.request_id, seq.seq_id, message)
             for sibling in policy.unfinished_sequences():

@@ -183,7 +183,7 @@ class EngineMetrics:
         """A step answered: `events` are the tokens it delivered (postprocess's result),
         `packed` the (queue wait µs, latency ms) of those it gave to sinks (never a first token)."""
         decodes = plan.num_decodes
-        prefills = len(plan.scheduled) - decodes
+        prefills = plan.batch_size - decodes
         if prefills or decodes:
             kind = "mixed" if prefills and decodes else "decode" if decodes else "prefill"
             self.step_duration[kind].observe((finished_us - started_us) * US)
@@ -214,7 +214,7 @@ class EngineMetrics:
             self.prompt_tokens.inc(prompt)
         if events or packed:
             self.generation_tokens.inc(len(events) + len(packed))
-        if plan.scheduled:
+        if plan.batch_size:
             self.iteration_tokens.observe(prompt + len(events) + len(packed))
 
     def on_finished(self, seq: Sequence, reason: str, now_us: int) -> None:

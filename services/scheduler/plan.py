@@ -69,6 +69,19 @@ class ScheduledSequence(NamedTuple):
         return known + list(self.draft_token_ids) if self.draft_token_ids else known
 
 
+class SteadyDecodes(NamedTuple):
+    """A step's steady decodes (see steady.py) as columns: the sequences, their
+    ids and the block each one's table gains (-1: none), sent as they are
+    (StepRequest.decode_seq_ids, decode_new_blocks)."""
+
+    seqs: list[Sequence]
+    seq_ids: list[int]
+    new_blocks: list[int]
+
+
+NO_STEADY_DECODES = SteadyDecodes([], [], [])  # never changed in place
+
+
 @dataclass
 class StepPlan:
     step_id: int
@@ -76,16 +89,18 @@ class StepPlan:
     release_seq_ids: list[int] = field(default_factory=list)
     # (src, dst) KV blocks the worker copies before the forward (a forked beam's partial block).
     block_copies: list[tuple[int, int]] = field(default_factory=list)
-    # Entries that feed one known token past the prompt (the rest are prefills), for the metrics.
+    # Parts that feed one known token past the prompt (the rest are prefills), for the metrics.
     num_decodes: int = 0
+    # The steady decodes, beside `scheduled` (one ScheduledSequence per other part).
+    steady: SteadyDecodes = NO_STEADY_DECODES
 
     @property
     def sequences(self) -> list[Sequence]:
-        return [s.seq for s in self.scheduled]
+        return [s.seq for s in self.scheduled] + self.steady.seqs
 
     @property
     def batch_size(self) -> int:
-        return len(self.scheduled)
+        return len(self.scheduled) + len(self.steady.seqs)
 
 
 class SampledToken(NamedTuple):

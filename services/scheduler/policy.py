@@ -56,13 +56,14 @@ from services.scheduler.plan import (  # noqa: F401 - re-exported: the policy's 
 )
 from services.scheduler.sequence import FinishReason, Sequence, SequenceStatus
 from services.scheduler.speculation import SpeculationConfig, Speculator
+from services.scheduler.steady import SteadySteps, still_running
 from services.scheduler.transfer_steps import TransferSteps
 
 # ScheduledSequence's fields in order, without the generated __new__'s frame (one per sequence per step).
 _new_entry = tuple.__new__
 
 
-class BatchPolicy(Accounting, BeamSteps, TransferSteps):
+class BatchPolicy(Accounting, BeamSteps, TransferSteps, SteadySteps):
     def __init__(self, capacity: WorkerCapacity, max_batch_size: int, max_prefill_tokens: int,
                  speculator: Speculator | None = None):
         self.capacity = capacity
@@ -87,6 +88,7 @@ class BatchPolicy(Accounting, BeamSteps, TransferSteps):
         self._next_step_id = 0
         self.packed_stats: list[tuple[int, float]] = []
         self._init_transfers(capacity.role == "prefill")
+        self._init_steady()
 
     # -- admission ---------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -165,17 +167,21 @@ class BatchPolicy(Accounting, BeamSteps, TransferSteps):
         May be called once while the last planned step runs (see the module doc)."""
         assert len(self._outstanding) <= 1, "plan at most one step ahead of the worker"
         batch: list[ScheduledSequence] = []
-        has_preempted, prefilling, num_decodes = self._schedule_decodes(batch)
+        steady, grown = self._plan_steady()
+        has_preempted, prefilling, num_decodes = self._schedule_decodes(batch, steady, grown)
+        if has_preempted and steady:
+            steady = still_running(steady)
         num_decode_entries = len(batch)
         budget = self.max_prefill_tokens
         for seq in prefilling:  # prompts part-way done continue first
             position = self._position(seq)
             if seq.status is not SequenceStatus.RUNNING or position is None or position[1] - position[0] <= 1:
                 continue  # preempted while decodes took blocks
-            if budget == 0 or len(batch) >= self.max_batch_size:
+            if budget == 0 or len(batch) + len(steady) >= self.max_batch_size:
                 break
             chunk = self._grow_chunk(seq, budget)
-            while chunk == 0 and not batch and not self._is_computing and self.running[-1] is not seq:
+            while chunk == 0 and not batch and not steady and not self._is_computing \
+                    and self.running[-1] is not seq:
                 # Partial prompts hold every block and nothing decodes: no step would
                 # ever free one, so make room as a decode would.
                 self.preempt(self.running[-1])
@@ -185,11 +191,11 @@ class BatchPolicy(Accounting, BeamSteps, TransferSteps):
                 break
             batch.append(self._schedule_entry(seq, position[0], chunk))
             budget -= chunk
-        if not batch and not self._is_computing and self.running and self.waiting:
+        if not batch and not steady and not self._is_computing and self.running and self.waiting:
             self._unblock_beam_search()
         # No admissions in a step that preempted: the room is for those already running.
         image_bytes = 0  # what the admitted sequences' images add to the step's message
-        while self.waiting and not has_preempted and budget > 0 and len(batch) < self.max_batch_size:
+        while self.waiting and not has_preempted and budget > 0 and len(batch) + len(steady) < self.max_batch_size:
             seq = self.waiting[0]
             seq_image_bytes = sum(image.num_bytes for image in seq.images)
             if image_bytes and image_bytes + seq_image_bytes > MAX_STEP_IMAGE_BYTES:
@@ -198,15 +204,17 @@ class BatchPolicy(Accounting, BeamSteps, TransferSteps):
                 break  # first come, first served: never skip the head
             budget -= batch[-1].num_new_tokens
             image_bytes += seq_image_bytes
-        if not batch and not self._to_release and not self._copies:
+        if not batch and not steady and not self._to_release and not self._copies:
             return None
         for entry in batch[num_decode_entries:]:  # a recomputed sequence's last token is a decode too
             if entry.num_new_tokens == 1 and entry.num_computed_tokens >= len(entry.seq.prompt_token_ids):
                 num_decodes += 1
-        plan = StepPlan(self._next_step_id, batch, self._to_release, list(self._copies.values()), num_decodes)
+        step_id = self._next_step_id
+        plan = StepPlan(step_id, batch, self._to_release, list(self._copies.values()), num_decodes + len(steady),
+                        self._steady_decodes(steady, grown, step_id))
         self._next_step_id += 1
         self._to_release, self._copies = [], {}
-        self._outstanding[plan.step_id] = len(batch)
+        self._outstanding[step_id] = plan.batch_size
         for entry in batch:
             self._planned[entry.seq.seq_id] = entry
         return plan
@@ -222,6 +230,7 @@ class BatchPolicy(Accounting, BeamSteps, TransferSteps):
             seq.beam.drop(seq)
         self._copies.pop(seq.seq_id, None)
         self._planned.pop(seq.seq_id, None)
+        self._leave_steady(seq)
         self.speculator.on_finished(seq)
         if seq.forks:
             self._orphan_forks(seq)
@@ -251,6 +260,7 @@ class BatchPolicy(Accounting, BeamSteps, TransferSteps):
         self.blocks.free(seq)
         self._copies.pop(seq.seq_id, None)
         self._planned.pop(seq.seq_id, None)
+        self._leave_steady(seq)
         seq.epoch += 1
         if seq.beam is not None:
             seq.beam.withdraw(seq)
@@ -267,6 +277,7 @@ class BatchPolicy(Accounting, BeamSteps, TransferSteps):
         self._to_release = []
         self._outstanding.clear()
         self._planned.clear()
+        self._forget_steady()
 
     # -- siblings ----------------------------------------------------------
     def _fork(self, leader: Sequence) -> None:
@@ -310,12 +321,15 @@ class BatchPolicy(Accounting, BeamSteps, TransferSteps):
         None while its next input is a token in flight that the scheduler must see first."""
         entry = self._planned.get(seq.seq_id)
         num_tokens = len(seq.prompt_token_ids) + len(seq.output_token_ids)
-        if entry is None:
+        if entry is not None:
+            computed = entry.num_computed_tokens + entry.num_new_tokens
+            if not entry.is_sampling:
+                return computed, num_tokens
+        elif seq.seq_id in self._steady_in_flight:  # a steady decode of one token, without drafts
+            computed = seq.num_computed_tokens + 1
+        else:
             return seq.num_computed_tokens, num_tokens
-        computed = entry.num_computed_tokens + entry.num_new_tokens
-        if not entry.is_sampling:
-            return computed, num_tokens
-        if seq.beam is not None or seq.moves or entry.draft_token_ids \
+        if seq.beam is not None or seq.moves or (entry is not None and entry.draft_token_ids) \
                 or len(seq.output_token_ids) + 1 >= seq.stopping.max_tokens \
                 or (seq.stopping.thinking_budget is not None and not seq.is_thinking_done) \
                 or (self._is_speculating and self.speculator.wants_draft(seq, self._num_drafting_load)):
@@ -325,7 +339,7 @@ class BatchPolicy(Accounting, BeamSteps, TransferSteps):
     def _schedule_entry(self, seq: Sequence, computed: int, num_new: int,
                         draft: tuple[int, ...] = ()) -> ScheduledSequence:
         in_flight = self._planned.get(seq.seq_id)
-        feeds_last_sampled = in_flight is not None and in_flight.is_sampling
+        feeds_last_sampled = in_flight.is_sampling if in_flight is not None else seq.seq_id in self._steady_in_flight
         table, extends_table = seq.block_table, None
         if feeds_last_sampled and not draft and seq.sent_table is table and len(table) - seq.num_sent_blocks <= 1 \
                 and self.capacity.holds_block_tables:
@@ -340,8 +354,10 @@ class BatchPolicy(Accounting, BeamSteps, TransferSteps):
         seq.is_sent_to_worker = True
         return entry
 
-    def _schedule_decodes(self, batch: list[ScheduledSequence]) -> tuple[bool, list[Sequence], int]:
-        """Add a one-token step for every decoding sequence; returns whether any was
+    def _schedule_decodes(self, batch: list[ScheduledSequence], steady: dict[int, Sequence],
+                          grown: dict[int, int]) -> tuple[bool, list[Sequence], int]:
+        """Add a one-token step for every decoding sequence not in `steady` (this
+        step's steady decodes, which a decode may join); returns whether any was
         preempted, the running sequences part-way through their prompt (in
         admission order, up to where the batch filled: past it none would fit),
         and how many of the entries are decodes (past the prompt, StepPlan.num_decodes)."""
@@ -350,9 +366,9 @@ class BatchPolicy(Accounting, BeamSteps, TransferSteps):
         prefilling: list[Sequence] = []
         draft_budget = self.speculator.draft_budget(self._num_drafting_load)
         block_size, max_batch_size, running_status = self.blocks.block_size, self.max_batch_size, SequenceStatus.RUNNING
-        position_of, entry_for = self._position, self._schedule_entry
+        position_of, entry_for, join = self._position, self._schedule_entry, self._join_steady
         for seq in list(self.running):
-            if seq.status is not running_status:
+            if seq.status is not running_status or seq.seq_id in steady:
                 continue
             position = position_of(seq)
             if position is None:
@@ -362,7 +378,7 @@ class BatchPolicy(Accounting, BeamSteps, TransferSteps):
                 if total - computed > 1:
                     prefilling.append(seq)
                 continue
-            if len(batch) >= max_batch_size:
+            if len(batch) + len(steady) >= max_batch_size:
                 break
             if total > len(seq.block_table) * block_size:  # else its last block has room: nothing to take
                 while not self.blocks.can_grow(seq, total):
@@ -374,14 +390,17 @@ class BatchPolicy(Accounting, BeamSteps, TransferSteps):
                 if seq.status is not running_status:
                     continue
                 self.blocks.grow(seq, total)
-            if computed >= len(seq.prompt_token_ids):
-                num_decodes += 1
             if draft_budget > 0 and (draft := self._draft(seq, total, draft_budget)):
                 draft_budget -= len(draft)
                 self.blocks.grow(seq, total + len(draft))
-                batch.append(entry_for(seq, computed, 1 + len(draft), draft))
+                entry = entry_for(seq, computed, 1 + len(draft), draft)
             else:
-                batch.append(entry_for(seq, computed, 1))
+                entry = entry_for(seq, computed, 1)
+                if join(entry, steady, grown):
+                    continue  # counted with the steady decodes
+            if computed >= len(seq.prompt_token_ids):
+                num_decodes += 1
+            batch.append(entry)
         return has_preempted, prefilling, num_decodes
 
     @property

@@ -129,8 +129,8 @@ class WorkerClient:
 
 def step_request(plan: StepPlan, into: worker_pb2.StepRequest | None = None) -> worker_pb2.StepRequest:
     """The one Step message for a planned step (filled into `into`, an empty one, if given):
-    a decode on the worker's block table as its id and new block (decode_seq_ids),
-    any other part as a SequenceStep.
+    a decode on the worker's block table (a steady decode, or one planned ahead)
+    as its id and new block (decode_seq_ids), any other part as a SequenceStep.
 
     Each sequence's part is added in place (`add`): a SequenceStep built apart
     and passed in a list is copied into the request, which costs as much again."""
@@ -146,6 +146,10 @@ def step_request(plan: StepPlan, into: worker_pb2.StepRequest | None = None) -> 
         else:
             decode_seq_ids.append(entry.seq.seq_id)
             decode_new_blocks.append(new_block)
+    steady = plan.steady
+    if steady.seq_ids:  # the steady decodes: columns already
+        decode_seq_ids += steady.seq_ids
+        decode_new_blocks += steady.new_blocks
     if decode_seq_ids:
         step.decode_seq_ids.extend(decode_seq_ids)
         step.decode_new_blocks.extend(decode_new_blocks)

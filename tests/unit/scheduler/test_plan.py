@@ -3,6 +3,7 @@ tokens, the Step message built in place, and the sampled tokens read back."""
 from __future__ import annotations
 
 from services.scheduler.plan import SampledToken, ScheduledSequence, StepPlan
+from services.scheduler.sequence import SamplingParams
 from services.scheduler.worker_client import sampled_tokens, step_request
 from stormserve.worker.v1 import worker_pb2
 from tests.unit.scheduler.test_policy import make_seq
@@ -82,6 +83,7 @@ def test_a_decode_goes_as_its_id_on_the_workers_table_until_the_table_is_a_new_l
 
     policy, worker = make_policy(block_size=4), FakeWorker(token=7)
     seq = make_seq(1, prompt_len=3, max_tokens=20)
+    seq.sampling = SamplingParams(top_logprobs=0)  # never a steady decode (those are below)
     policy.add(seq)
     prefill = policy.schedule()
     ahead = policy.schedule()  # planned before the prefill's answer: feeds the token in flight
@@ -97,6 +99,75 @@ def test_a_decode_goes_as_its_id_on_the_workers_table_until_the_table_is_a_new_l
         policy.postprocess(plan, worker.step(plan), 0, 0)
     seq.block_table = list(seq.block_table)  # as anything but growing leaves it (preemption, a shrink)
     assert policy.schedule().scheduled[0].extends_table is None  # sent whole again
+
+
+def test_steady_decodes_go_as_columns_and_grow_their_tables_on_the_workers_copy():
+    from tests.unit.scheduler.test_policy import FakeWorker, make_policy
+
+    policy, worker = make_policy(block_size=4), FakeWorker()  # tokens from the context it reads back
+    seqs = [make_seq(i, prompt_len=3, max_tokens=n) for i, n in ((1, 11), (2, 6))]
+    for seq in seqs:
+        policy.add(seq)
+    plans = [policy.schedule(), policy.schedule()]
+    assert not plans[1].scheduled and plans[1].steady.seq_ids == [1, 2] and plans[1].steady.new_blocks == [-1, -1]
+    assert plans[1].num_decodes == plans[1].batch_size == 2
+    tables = [{}, {s.seq_id: list(s.block_table) for s in seqs}]  # as each plan leaves them
+    while plans[-1] is not None:
+        policy.postprocess(plans[-2], worker.step(plans[-2]), 0, 0)
+        plans.append(policy.schedule())
+        tables.append({s.seq_id: list(s.block_table) for s in seqs})
+    policy.postprocess(plans[-2], worker.step(plans[-2]), 0, 0)
+    steady = [p.steady for p in plans[1:-1]]
+    assert [s.seq_ids for s in steady] == [[1, 2]] * 5 + [[1]] * 5  # 1 + 10 and 1 + 5 tokens: no step wasted
+    # A table gains its block in the step that feeds the block's first position (3 prompt tokens, blocks of 4).
+    grown = [(n, i, b) for n, s in enumerate(steady, 1) for i, b in zip(s.seq_ids, s.new_blocks) if b >= 0]
+    assert grown == [(2, 1, tables[2][1][1]), (2, 2, tables[2][2][1]), (6, 1, tables[6][1][2]),
+                     (10, 1, tables[10][1][3])]
+    message = step_request(plans[2])
+    assert list(message.decode_seq_ids) == [1, 2] and not message.sequences
+    assert list(message.decode_new_blocks) == plans[2].steady.new_blocks
+    assert [len(s.output_token_ids) for s in seqs] == [11, 6] and all(s.is_finished for s in seqs)
+    assert policy.blocks.num_free_blocks == 100 and not policy._steady and not policy._steady_in_flight
+    # The same tokens as planned one step at a time, each sent whole.
+    again, fresh = make_policy(block_size=4), FakeWorker()
+    copies = [make_seq(i, prompt_len=3, max_tokens=n) for i, n in ((1, 11), (2, 6))]
+    for seq in copies:
+        again.add(seq)
+    while (plan := again.schedule()) is not None:
+        assert not plan.steady.seqs
+        again.postprocess(plan, fresh.step(plan), 0, 0)
+    assert [s.output_token_ids for s in copies] == [s.output_token_ids for s in seqs]
+
+
+def test_steady_decodes_are_sent_whole_again_after_the_engine_idled():
+    from tests.unit.scheduler.test_policy import FakeWorker, make_policy
+
+    policy, worker = make_policy(block_size=4), FakeWorker()
+    seqs = [make_seq(i, prompt_len=3, max_tokens=14) for i in (1, 2)]
+    for seq in seqs:
+        policy.add(seq)
+    outputs = []
+    for _ in range(2):  # pipelined for a while, then every step answered before the next is planned
+        plans = [policy.schedule(), policy.schedule()]
+        for _ in range(4):
+            policy.postprocess(plans[-2], worker.step(plans[-2]), 0, 0)
+            plans.append(policy.schedule())
+        assert plans[-1].steady.seq_ids == [1, 2]
+        for plan in plans[-2:]:
+            policy.postprocess(plan, worker.step(plan), 0, 0)
+        whole = policy.schedule()  # nothing in flight: the worker checks every position it is sent
+        assert not whole.steady.seqs and [e.extends_table for e in whole.scheduled] == [None, None]
+        assert [e.num_computed_tokens for e in whole.scheduled] == [s.num_tokens - 1 for s in seqs]
+        policy.postprocess(whole, worker.step(whole), 0, 0)
+        outputs.append([len(s.output_token_ids) for s in seqs])
+    assert outputs == [[7, 7], [14, 14]] and all(s.is_finished for s in seqs)
+    again, fresh = make_policy(block_size=4), FakeWorker()
+    copies = [make_seq(i, prompt_len=3, max_tokens=14) for i in (1, 2)]
+    for seq in copies:
+        again.add(seq)
+    while (plan := again.schedule()) is not None:
+        again.postprocess(plan, fresh.step(plan), 0, 0)
+    assert [s.output_token_ids for s in copies] == [s.output_token_ids for s in seqs]
 
 
 def test_a_worker_that_does_not_hold_tables_gets_every_decode_whole():

@@ -53,16 +53,20 @@ class FakeWorker:
         self.slots: dict[int, int] = {}
         self.computed: dict[int, int] = {}  # seq_id -> tokens the worker holds
         self.last_sampled: dict[int, int] = {}  # seq_id -> token sampled and not fed yet
+        self.tables: dict[int, list[int]] = {}  # seq_id -> the block table as the worker holds it
         self.fed: list[list[tuple[int, list[int], int]]] = []
         self.released: list[int] = []
         self.num_first_steps = 0
 
     def step(self, plan):
-        self.fed.append([(e.seq.seq_id, e.token_ids, e.num_computed_tokens) for e in plan.scheduled])
+        steady = [(seq, self.computed[seq.seq_id], block) for seq, block in zip(plan.steady.seqs, plan.steady.new_blocks)]
+        self.fed.append([(e.seq.seq_id, e.token_ids, e.num_computed_tokens) for e in plan.scheduled]
+                        + [(seq.seq_id, [], computed) for seq, computed, _ in steady])
         self.released.extend(plan.release_seq_ids)
         for seq_id in plan.release_seq_ids:
             self.computed.pop(seq_id, None)
             self.last_sampled.pop(seq_id, None)
+            self.tables.pop(seq_id, None)
         copied = {
             dst * BLOCK_SIZE + o: self.slots.get(src * BLOCK_SIZE + o)
             for src, dst in plan.block_copies for o in range(BLOCK_SIZE)
@@ -73,30 +77,42 @@ class FakeWorker:
             else:
                 self.slots[slot] = token
         sampled = {}
+        # Every part as (seq, computed, new tokens, drafts, sampling, the block its held table gains or None).
+        parts = []
         for e in plan.scheduled:
-            seq, table = e.seq, e.seq.block_table
+            seq = e.seq
             if seq.seq_id in self.computed:
                 assert e.num_computed_tokens == self.computed[seq.seq_id]
                 assert not e.sends_sampling
             else:
                 assert e.sends_sampling, "sampling must come with a first step"
                 self.num_first_steps += 1
-            end = e.num_computed_tokens + e.num_new_tokens
-            assert len(table) * BLOCK_SIZE >= end
             token_ids = e.token_ids
             if e.feeds_last_sampled:
                 assert not token_ids and e.is_sampling
                 token_ids = [self.last_sampled[seq.seq_id]]
+            parts.append((seq, e.num_computed_tokens, token_ids, list(e.draft_token_ids), e.is_sampling,
+                          e.extends_table))
+        for seq, computed, block in steady:  # decodes by id: the token sampled last, on the table held
+            parts.append((seq, computed, [self.last_sampled[seq.seq_id]], [], True, block))
+        for seq, start, token_ids, draft, is_sampling, new_block in parts:
+            if new_block is None:  # the table sent whole
+                table = self.tables[seq.seq_id] = list(seq.block_table)
+            else:
+                table = self.tables[seq.seq_id]
+                if new_block >= 0:
+                    table.append(new_block)
+            end = start + len(token_ids)
+            assert len(table) * BLOCK_SIZE >= end
             self.last_sampled.pop(seq.seq_id, None)
-            for position, token in enumerate(token_ids, start=e.num_computed_tokens):
+            for position, token in enumerate(token_ids, start=start):
                 block = table[position // BLOCK_SIZE]
                 if self.policy is not None:
                     assert self.policy.blocks.blocks[block].ref_count == 1, "write into a shared block"
                 self.slots[block * BLOCK_SIZE + position % BLOCK_SIZE] = token
-            draft = list(e.draft_token_ids)
             end -= len(draft)
             self.computed[seq.seq_id] = end
-            if e.is_sampling:
+            if is_sampling:
                 context = [self.slots[table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE] for p in range(end)]
                 token = self.next_token(context, seq.sampling.seed)
                 kept = 0
@@ -115,7 +131,8 @@ class FakeWorker:
                 if seq.sampling.top_logprobs > 0:  # greedy over a distribution of the context
                     alternatives = tuple(distribution(context)[: seq.sampling.top_logprobs])
                     token, logprob = alternatives[0]
-                sampled[seq.seq_id] = SampledToken(seq.seq_id, token, logprob, alternatives)
+                sampled[seq.seq_id] = SampledToken(seq.seq_id, token, logprob, alternatives) \
+                    if logprob is not None else token  # a plain token as its id, as the worker answers it
                 self.last_sampled[seq.seq_id] = token
         return sampled
 
@@ -329,9 +346,8 @@ def test_a_sink_takes_the_middle_tokens_and_the_last_one_is_delivered():
 
     def step(started, finished):
         plan = policy.schedule()
-        # As a worker asked for packed tokens answers: ids alone where that is all there is.
-        answer = {k: t.token_id if t.logprob is None else t for k, t in worker.step(plan).items()}
-        return [(s.seq_id, e.token_id, e.latency_ms) for s, e in policy.postprocess(plan, answer, started, finished)]
+        return [(s.seq_id, e.token_id, e.latency_ms)
+                for s, e in policy.postprocess(plan, worker.step(plan), started, finished)]
 
     assert step(2_000, 12_000) == [(1, 7, 11.0)]  # the first token, before the server sets the sink
     seq.sink = sink

@@ -2,7 +2,8 @@
 the scheduler's policy plans each step before the last one's answer, the real
 model (float32) runs the Step messages in order, and most decodes go as ids on
 the block tables the worker holds (decode_seq_ids), growing them a block at a
-time. The text is transformers' greedy text, with and without drafts."""
+time; without drafts, as steady decodes (the policy's columns). The text is
+transformers' greedy text, with and without drafts."""
 from __future__ import annotations
 
 import itertools
@@ -53,12 +54,13 @@ def test_pipelined_decodes_on_the_workers_tables_give_greedy_text(small_blocks_r
         policy.add_group(group)
         seqs += group
     sent: deque = deque()  # (plan, answer), the worker having run the steps in the order sent
-    decodes = new_blocks = 0
+    decodes = new_blocks = steady = 0
     while True:
         if len(sent) < 2 and (plan := policy.schedule()) is not None:
             message = step_request(plan)
             decodes += len(message.decode_seq_ids)
             new_blocks += sum(b >= 0 for b in message.decode_new_blocks)
+            steady += len(plan.steady.seqs)
             reply = step_to_proto(message.step_id, runner.step(*step_from_proto(message)), pack_plain=True)
             assert not reply.refused
             sent.append((plan, sampled_tokens(reply)))
@@ -69,6 +71,7 @@ def test_pipelined_decodes_on_the_workers_tables_give_greedy_text(small_blocks_r
         plan, answer = sent.popleft()
         policy.postprocess(plan, answer, 0, 0)
     assert decodes > 10 and new_blocks > 3  # most decodes went as ids, tables grew by them
+    assert steady > 50 if speculation == "off" else steady == 0
     assert policy.num_free_blocks == capacity.num_kv_blocks
     for seq, prompt in zip(seqs, PROMPTS):
         want = reference_model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=MAX_TOKENS,

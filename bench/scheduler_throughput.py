@@ -4,7 +4,8 @@ step at once, fed through its own gRPC API as the tokenizer feeds it.
 
 - The workers are one process (this one): one grpc.aio server bound to a port
   per worker, serving WorkerService (Describe, StepStream) and the health
-  service. Each step is answered with a real StepResponse of the right shape:
+  service, and one step channel port that all of them report in Describe (a
+  scheduler from before the step channel sends steps on StepStream). Each step is answered with a real StepResponse of the right shape:
   a token per sequence that samples (in the packed columns where the step asks,
   as a real worker answers tokens without logprobs), in request order, its step_id
   echoed. Nothing is computed; the answer's bytes are cached per set of
@@ -55,6 +56,7 @@ import psutil
 from prometheus_client.parser import text_string_to_metric_families
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from services.common.frames import frame, read_frame
 from services.common.supervisor import free_port
 from stormserve.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from stormserve.worker.v1 import worker_pb2
@@ -89,6 +91,7 @@ class SimulatedWorkers:
         self.num_tokens = 0
         self._answers: dict[tuple[bool, tuple[int, ...]], bytes] = {}  # (packed, sampling seq ids) -> the tokens' bytes
         self.server: grpc.aio.Server | None = None  # made on the running loop, by start
+        self.steps: asyncio.Server | None = None
         self.addresses: list[str] = []
 
     def answer(self, raw: bytes) -> bytes:
@@ -119,6 +122,16 @@ class SimulatedWorkers:
     async def _describe(self, request, context):
         return self.description
 
+    async def _step_channel(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Every worker's step channel (one port: the answers depend on nothing but the step)."""
+        try:
+            while (raw := await read_frame(reader)) is not None:
+                writer.write(frame(self.answer(raw)))
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+
     async def start(self, host: str = "127.0.0.1") -> None:
         self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
         handlers = {
@@ -133,10 +146,14 @@ class SimulatedWorkers:
         for _ in range(self.num_workers):
             port = self.server.add_insecure_port(f"{host}:0")
             self.addresses.append(f"{host}:{port}")
+        self.steps = await asyncio.start_server(self._step_channel, host, 0)
+        self.description.step_port = self.steps.sockets[0].getsockname()[1]
         await self.server.start()
         await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
 
     async def stop(self) -> None:
+        if self.steps is not None:
+            self.steps.close()
         if self.server is not None:
             await self.server.stop(0)
 

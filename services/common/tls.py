@@ -119,6 +119,24 @@ class InternalTls:
         # The name checked in the server's certificate (and sent as SNI), whatever address was dialled.
         return [("grpc.ssl_target_name_override", self.server_name)]
 
+    def server_ssl_context(self) -> ssl.SSLContext:
+        """A TCP server's beside gRPC (a worker's step channel): it requires a
+        client certificate the CA signed, as server_credentials does."""
+        self._pems()
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=self.ca_file)
+        context.verify_mode = ssl.CERT_REQUIRED
+        context.load_cert_chain(self.cert_file, self.key_file)
+        return context
+
+    def peer_ssl_context(self) -> ssl.SSLContext:
+        """A TCP client's of such a server (the scheduler's step channel): it trusts
+        only the CA and presents this certificate; the server's must carry
+        `server_name`, to be passed as the connection's server_hostname."""
+        self._pems()
+        context = ssl.create_default_context(cafile=self.ca_file)
+        context.load_cert_chain(self.cert_file, self.key_file)
+        return context
+
     def edge_ssl_settings(self) -> dict[str, Any]:
         """uvicorn.Config's TLS arguments for the edge: HTTPS, and a client
         certificate asked for but optional at the TLS layer (kubelet probes and

@@ -1,5 +1,7 @@
 """The scheduler's side of WorkerService: one message per engine step on one
-StepStream, so that the next step can be sent while the last one runs.
+step stream, so that the next step can be sent while the last one runs: on
+the worker's step channel (frames on a TCP connection of its own, where its
+Describe offers one: worker.proto, step_port), else on gRPC's StepStream.
 The only module (with convert.py) that touches worker protobufs."""
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from services.common.errors import STATUS_CODES
+from services.common.frames import read_frame, write_frame
 from services.common.grpc_server import channel, health_status
 from services.common.tls import InternalTls
 from services.scheduler.plan import SampledToken, ScheduledSequence, StepAnswer, StepPlan, WorkerCapacity
@@ -39,12 +42,40 @@ class WorkerHealth(enum.Enum):
     DOWN = "down"  # does not answer
 
 
+class _StepChannel:
+    """A step stream on the worker's step channel, read and written as grpc.aio's
+    StreamStreamCall is (write, read: grpc.aio.EOF at its end, cancel); a
+    broken connection raises OSError."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        self._reader, self._writer = reader, writer
+
+    async def write(self, request: worker_pb2.StepStreamRequest) -> None:
+        write_frame(self._writer, request)
+        await self._writer.drain()
+
+    async def read(self) -> worker_pb2.StepStreamResponse | object:
+        frame = await read_frame(self._reader)
+        return grpc.aio.EOF if frame is None else worker_pb2.StepStreamResponse.FromString(frame)
+
+    def cancel(self) -> None:
+        self._writer.close()
+
+
+def host_of(address: str) -> str:
+    """The host part of a worker's address (host:port, [v6]:port)."""
+    host = address.rpartition(":")[0]
+    return host[1:-1] if host.startswith("[") else host
+
+
 class WorkerClient:
     def __init__(self, address: str, tls: InternalTls | None = None):
         self.address = address
-        self._channel = channel(address, tls)  # steps, Describe and health polls alike
+        self._tls = tls
+        self._channel = channel(address, tls)  # Describe, health polls, and steps without a step channel
         self._stub = worker_pb2_grpc.WorkerServiceStub(self._channel)
-        self._steps: grpc.aio.StreamStreamCall | None = None
+        self._steps: grpc.aio.StreamStreamCall | _StepChannel | None = None
+        self._step_port = 0  # the worker's step channel, as its last Describe said (0: none)
 
     async def health(self) -> WorkerHealth:
         status = await health_status(self._channel)
@@ -62,6 +93,7 @@ class WorkerClient:
             role=reply.role or "both",
             holds_block_tables=reply.holds_block_tables,
         )
+        self._step_port = reply.step_port
         return capacity, reply
 
     async def send_blocks(self, peer: worker_pb2.KVPool, src_blocks: list[int], dst_blocks: list[int],
@@ -75,17 +107,26 @@ class WorkerClient:
             raise WorkerError(f"worker {self.address}: SendBlocks: {exc.code().name}: {exc.details()}") from exc
         return reply.num_bytes, reply.elapsed_s
 
+    async def _open_steps(self) -> grpc.aio.StreamStreamCall | _StepChannel:
+        if not self._step_port:
+            return self._stub.StepStream()
+        tls = self._tls
+        reader, writer = await asyncio.open_connection(
+            host_of(self.address), self._step_port, ssl=tls.peer_ssl_context() if tls is not None else None,
+            server_hostname=tls.server_name if tls is not None else None)
+        return _StepChannel(reader, writer)
+
     async def send(self, plan: StepPlan) -> None:
         """Send a step; its answer comes from `receive`, after those of the steps sent before it."""
-        if self._steps is None:
-            self._steps = self._stub.StepStream()
         try:
+            if self._steps is None:
+                self._steps = await self._open_steps()
             request = worker_pb2.StepStreamRequest()
             step_request(plan, request.step)  # built in place: no copy of every sequence into the wrapper
             await self._steps.write(request)
         except grpc.aio.AioRpcError as exc:
             raise self._lost(exc) from exc
-        except (grpc.aio.UsageError, asyncio.InvalidStateError) as exc:  # the stream had already ended
+        except (grpc.aio.UsageError, asyncio.InvalidStateError, OSError) as exc:  # the stream had already ended
             raise self._lost(exc) from exc
 
     async def receive(self) -> StepAnswer:
@@ -93,7 +134,7 @@ class WorkerClient:
         assert self._steps is not None, "receive before send"
         try:
             reply = await self._steps.read()
-        except grpc.aio.AioRpcError as exc:
+        except (grpc.aio.AioRpcError, OSError) as exc:
             raise self._lost(exc) from exc
         if reply is grpc.aio.EOF:
             raise self._lost(None)

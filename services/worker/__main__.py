@@ -22,6 +22,7 @@ from services.worker.parallel import TensorParallel
 from services.worker.platforms import select_platform
 from services.worker.pods import PodGroup
 from services.worker.server import WorkerServicer
+from services.worker.step_channel import serve_step_channel
 from stormserve.worker.v1 import worker_pb2, worker_pb2_grpc
 
 
@@ -65,8 +66,8 @@ DRAIN_SETTLE_S = 2.0
 
 
 async def serve(config: WorkerConfig, log: logging.Logger) -> None:
-    service = GrpcService("worker", config.host, config.port, config.drain_timeout_s, InternalTls.of(config),
-                          config.health_port)
+    tls = InternalTls.of(config)
+    service = GrpcService("worker", config.host, config.port, config.drain_timeout_s, tls, config.health_port)
     if config.metrics_port:
         serve_metrics_in_thread(process_registry(config.serving_group), config.host, config.metrics_port)
     servicer = WorkerServicer(drain=service.drain)
@@ -77,6 +78,7 @@ async def serve(config: WorkerConfig, log: logging.Logger) -> None:
     )
     # Listen first (health answers NOT_SERVING while loading), then load off the loop.
     await service.start()
+    steps = await serve_step_channel(servicer, config.host, config.step_port, tls)
     try:
         await servicer.load(functools.partial(load_runner, config))
         if config.role != "both":
@@ -87,8 +89,9 @@ async def serve(config: WorkerConfig, log: logging.Logger) -> None:
         await service.server.stop(0)
         raise SystemExit(2) from None
     await service.set_serving(True)
-    log.info("serving on port %d", service.port)
+    log.info("serving on port %d, steps also on port %d", service.port, servicer.step_port)
     await service.serve_forever(servicer.is_idle, DRAIN_SETTLE_S)
+    steps.close()
     servicer.close()
 
 

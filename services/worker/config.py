@@ -22,6 +22,8 @@ class WorkerConfig(InternalTlsSettings):
     host: str = setting("127.0.0.1", "address to listen on")
     port: int = setting(50053, "gRPC port (0 picks a free one)")
     metrics_port: int = setting(0, "HTTP port of the Prometheus /metrics endpoint (process metrics); 0 = off")
+    step_port: int = setting(0, "TCP port of the step channel, where the scheduler sends steps as frames (the "
+                                "port Describe reports; 0 picks a free one)")
     serving_group: str = serving_group_setting()
     model_path: str = setting(
         "", "HF model directory or .gguf file; empty = bundled SmolLM2-135M-Instruct",
@@ -77,6 +79,7 @@ class WorkerConfig(InternalTlsSettings):
     def __post_init__(self) -> None:
         require(0 <= self.port <= 65535, f"port must be in [0, 65535], got {self.port}")
         require(0 <= self.metrics_port <= 65535, f"metrics_port must be in [0, 65535], got {self.metrics_port}")
+        require(0 <= self.step_port <= 65535, f"step_port must be in [0, 65535], got {self.step_port}")
         check_serving_group(self.serving_group)
         require(self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}")
         require(self.activations in ACTIVATIONS, f"activations must be one of {ACTIVATIONS}, got {self.activations!r}")

@@ -62,6 +62,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         # A prefill or decode worker's end of KV transfers; its sends run on threads of their own.
         self._transfer: KVTransfer | None = None
         self._sender = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-send")
+        self.step_port = 0  # the step channel's, once it listens (step_channel.py); 0: StepStream alone
         if runner is not None:
             self.attach(runner)
 
@@ -72,6 +73,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     def attach(self, runner: ModelRunner) -> None:
         self._runner = runner
         self._description = convert.describe_to_proto(runner.describe())
+        self._description.step_port = self.step_port
 
     def attach_transfer(self, role: str, transfer: KVTransfer) -> None:
         """A prefill or decode worker's: its pool's transfer engine, and its role, in Describe."""
@@ -127,13 +129,19 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         return await self._submit(request, _StreamState())
 
     async def StepStream(self, request_iterator, context):
-        """Each step goes to the step thread as soon as it arrives (the thread runs
+        async for response in self.step_stream(request_iterator):
+            yield response
+
+    async def step_stream(self, request_iterator):
+        """A step stream, on gRPC (StepStream) or on the step channel (step_channel.py):
+        each step goes to the step thread as soon as it arrives (the thread runs
         them in arrival order), and the answers go back in that order.
 
         A scheduler drives its sequences on one stream; when the stream ends (the
         scheduler stopped, was restarted, or found this worker lost) nothing will
         release the sequences still on it, and a restarted scheduler numbers its
-        sequences from 1 again: they are forgotten, after the stream's last step."""
+        sequences from 1 again: they are forgotten, after the stream's last step.
+        Raises the drain's errors: refused when draining, expired at its timeout."""
         self.drain.refuse_new()
         try:
             with self.drain.carrying(asyncio.current_task(), count=False):

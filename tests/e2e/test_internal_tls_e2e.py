@@ -2,10 +2,11 @@
 at a CA made here), Envoy in front: a chat completion crosses every hop (edge ->
 tokenizer -> scheduler -> worker, and Envoy -> edge / tokenizer) over TLS, a
 stranger (plaintext, no certificate, a certificate from another CA) is refused
-on every internal port, and /health, /metrics and the plaintext health ports
+on every internal port (the worker's step channel too), and /health, /metrics and the plaintext health ports
 still answer without a certificate. One chain start for all of it."""
 from __future__ import annotations
 
+import asyncio
 import ssl
 
 import grpc
@@ -13,7 +14,9 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from stormserve.chat.v1 import chat_pb2, chat_pb2_grpc
+from stormserve.worker.v1 import worker_pb2, worker_pb2_grpc
 
+from services.common.frames import read_frame, write_frame
 from services.common.supervisor import free_port
 from services.common.tls import InternalTls
 from services.envoy.config import EnvoyConfig
@@ -88,6 +91,36 @@ def test_strangers_are_refused_on_every_grpc_port(chain, pki):
             with make() as channel, pytest.raises(grpc.RpcError) as refused:
                 health(channel)
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, (name, who)
+
+
+def test_the_workers_step_channel_takes_steps_from_its_peers_alone(chain, pki):
+    ca, _, stranger = pki
+    ours = chain.internal_tls
+    with tls_channel(f"127.0.0.1:{chain.worker_ports[0]}", ours) as channel:
+        port = worker_pb2_grpc.WorkerServiceStub(channel).Describe(worker_pb2.DescribeRequest(), timeout=10).step_port
+    assert port > 0
+    no_certificate = ssl.create_default_context(cafile=str(ca.cert))
+    theirs = InternalTls(str(stranger.cert), str(stranger.key), str(ca.cert)).peer_ssl_context()
+
+    async def step(context: ssl.SSLContext | None) -> worker_pb2.StepStreamResponse | None:
+        """An empty step's answer (None: the connection ended without one)."""
+        reader, writer = await asyncio.open_connection(
+            "127.0.0.1", port, ssl=context, server_hostname=ours.server_name if context else None)
+        try:
+            write_frame(writer, worker_pb2.StepStreamRequest(step=worker_pb2.StepRequest(step_id=7)))
+            await writer.drain()
+            answer = await asyncio.wait_for(read_frame(reader), 30)
+            return None if answer is None else worker_pb2.StepStreamResponse.FromString(answer)
+        finally:
+            writer.close()
+
+    assert asyncio.run(step(ours.peer_ssl_context())).step.step_id == 7
+    for who, context in {"plaintext": None, "no certificate": no_certificate, "another CA's certificate": theirs}.items():
+        try:
+            answer = asyncio.run(step(context))
+        except OSError:  # the handshake or the read, as TLS 1.3 reports a refused client certificate
+            continue
+        assert answer is None, who
 
 
 def test_the_plaintext_health_ports_answer_health_alone(tls_chain):

@@ -12,7 +12,7 @@ from services.common.supervisor import exit_with_supervisor
 from services.common.tls import InternalTls
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.discovery import WorkerPool, merge_slices
-from services.scheduler.engine import EngineLoop
+from services.scheduler.engine import EngineLoop, LoopSlices
 from services.scheduler.kube import EndpointSliceWatcher, KubeApi, KubeConfigError
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.router import Router
@@ -38,9 +38,11 @@ async def main() -> None:
 
     router.handoff.transfer_timeout_s, router.handoff.metrics = config.kv_transfer_timeout_s, metrics
 
+    slices = LoopSlices()  # shared: the engines take turns in the event loop's iterations
+
     def make_engine(address: str) -> EngineLoop:
         engine = EngineLoop(WorkerClient(address, tls), config.max_batch_size, config.max_prefill_tokens,
-                            config.speculation)
+                            config.speculation, slices)
         if metrics is not None:
             engine.metrics = metrics.engine()  # its `engine` label, from the workers in the router now
         return engine

@@ -44,13 +44,14 @@ class LoopSlices:
 
     Under full load every engine's step answer is ready at once (a worker's
     step channel answers within µs), and asyncio runs every ready engine in one
-    iteration: at 16 workers, one iteration did about 3 ms of steps. Everything
-    else waits for iterations — a gRPC message read (a new call on a
-    GenerateStream) takes two — so new calls were taken about 5 times slower
-    than the steps could serve them (measured with bench.scheduler_throughput:
-    1,024 calls on 4 streams admitted in 5-6 s instead of 0.7 s)."""
+    iteration: at 16 workers, one iteration ran about 3 ms of steps. Everything
+    else waits for iterations — reading a gRPC message (a new call on a
+    GenerateStream) takes two — so new calls came in about 7 times slower:
+    bench.scheduler_throughput admitted 1,024 calls on 4 streams in 5-6 s
+    instead of 0.8 s, and never got 4,096 calls running. With 0.5 ms slices:
+    1.0 and 4.5 s; 1 ms slices took 1.8 and 7.2 s."""
 
-    def __init__(self, slice_s: float = 1e-3):
+    def __init__(self, slice_s: float = 5e-4):
         self.slice_s = slice_s
         self._started = 0.0  # when this iteration's first step began; 0.0 until one does
         self._next: asyncio.Future | None = None  # done when the next iteration begins

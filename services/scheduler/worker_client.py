@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import logging
 
 import grpc
 from grpc_health.v1 import health_pb2
@@ -17,6 +18,10 @@ from services.common.grpc_server import channel, health_status
 from services.common.tls import InternalTls
 from services.scheduler.plan import SampledToken, ScheduledSequence, StepAnswer, StepPlan, WorkerCapacity
 from stormserve.worker.v1 import worker_pb2, worker_pb2_grpc
+
+
+log = logging.getLogger(__name__)
+STEP_CHANNEL_CONNECT_TIMEOUT_S = 5.0
 
 
 class WorkerError(Exception):
@@ -108,13 +113,21 @@ class WorkerClient:
         return reply.num_bytes, reply.elapsed_s
 
     async def _open_steps(self) -> grpc.aio.StreamStreamCall | _StepChannel:
-        if not self._step_port:
-            return self._stub.StepStream()
-        tls = self._tls
-        reader, writer = await asyncio.open_connection(
-            host_of(self.address), self._step_port, ssl=tls.peer_ssl_context() if tls is not None else None,
-            server_hostname=tls.server_name if tls is not None else None)
-        return _StepChannel(reader, writer)
+        """The worker's step channel where it offers one and it can be reached, else StepStream."""
+        if self._step_port:
+            tls, host = self._tls, host_of(self.address)
+            try:
+                reader, writer = await asyncio.wait_for(asyncio.open_connection(
+                    host, self._step_port, ssl=tls.peer_ssl_context() if tls is not None else None,
+                    server_hostname=tls.server_name if tls is not None else None), STEP_CHANNEL_CONNECT_TIMEOUT_S)
+                return _StepChannel(reader, writer)
+            except (OSError, asyncio.TimeoutError) as exc:
+                # A network policy without the port, say: slower, but served.
+                log.warning("worker %s: its step channel at %s:%d cannot be reached (%s): steps go on gRPC "
+                            "(StepStream) until it rejoins", self.address, host, self._step_port,
+                            exc or type(exc).__name__)
+                self._step_port = 0
+        return self._stub.StepStream()
 
     async def send(self, plan: StepPlan) -> None:
         """Send a step; its answer comes from `receive`, after those of the steps sent before it."""

@@ -21,6 +21,7 @@ from services.worker.server import WorkerServicer
 from stormserve.worker.v1 import worker_pb2
 
 log = logging.getLogger(__name__)
+CLOSE_WAIT_S = 5.0
 
 
 async def serve_step_channel(servicer: WorkerServicer, host: str, port: int,
@@ -51,13 +52,25 @@ async def _serve_stream(servicer: WorkerServicer, reader: asyncio.StreamReader,
         log.info("step channel from %s ended: %s", writer.get_extra_info("peername"), exc)
     except Exception as exc:  # noqa: BLE001 - what gRPC would end the stream with: the last frame
         write_frame(writer, worker_pb2.StepStreamResponse(error=status_proto(exc)))
-        await _drain_quietly(writer)
+        await _close_after_last_frame(reader, writer)
     finally:
         writer.close()
 
 
-async def _drain_quietly(writer: asyncio.StreamWriter) -> None:
+async def _close_after_last_frame(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Let the caller read the last frame: send it and the end (where TCP has a
+    half-close), and wait, dropping what it still sends, until it closes (at
+    most CLOSE_WAIT_S). Closing with its data unread would reset the
+    connection, which may drop the frame before the caller reads it."""
     try:
         await writer.drain()
-    except ConnectionError:
+        if writer.can_write_eof():
+            writer.write_eof()
+        await asyncio.wait_for(_until_closed(reader), CLOSE_WAIT_S)
+    except (ConnectionError, asyncio.TimeoutError):
+        pass
+
+
+async def _until_closed(reader: asyncio.StreamReader) -> None:
+    while await reader.read(1 << 16):
         pass

@@ -121,8 +121,9 @@ def test_workers_reach_each_other_on_any_port():
         labels = workers["spec"]["template"]["metadata"]["labels"]
         assert peer["podSelector"]["matchLabels"].items() <= labels.items()  # from either pool ...
         assert policy["spec"]["podSelector"]["matchLabels"].items() <= labels.items()  # ... to either pool
-    # The scheduler still reaches them on gRPC alone.
-    (grpc,) = [rule for rule in policy["spec"]["ingress"] if rule.get("ports") == [{"port": "grpc", "protocol": "TCP"}]]
+    # The scheduler still reaches them on gRPC and the step channel alone.
+    (grpc,) = [rule for rule in policy["spec"]["ingress"]
+               if rule.get("ports") == [{"port": "grpc", "protocol": "TCP"}, {"port": "steps", "protocol": "TCP"}]]
     (scheduler,) = grpc["from"]
     assert scheduler["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "scheduler"
 

@@ -286,6 +286,12 @@ def test_only_the_edge_is_reachable_from_outside_the_release(value_set):
                                                       "app.kubernetes.io/instance": RELEASE,
                                                       "app.kubernetes.io/component": source}
         assert by_component[to]["spec"]["policyTypes"] == ["Ingress"]
+        # gRPC, and to workers their step channel: the port the worker serves it on (STORMSERVE_STEP_PORT).
+        assert [p["port"] for p in rule["ports"]] == ["grpc", "steps"] if to == "worker" else ["grpc"]
+    for _, container, module in containers(objects):
+        if module == "worker":
+            (steps,) = [p for p in container["ports"] if p["name"] == "steps"]
+            assert container_env(objects, container)["STORMSERVE_STEP_PORT"] == str(steps["containerPort"])
 
 
 def test_services_target_ports_their_pods_open():

@@ -22,6 +22,8 @@ leaderworkerset.sigs.k8s.io/worker-index: "0"
       value: {{ $root.Values.worker.accelerator | quote }}
     - name: STORMSERVE_TENSOR_PARALLEL_SIZE
       value: {{ mul $nodes $root.Values.worker.tensorParallelSize | quote }}
+    - name: STORMSERVE_STEP_PORT
+      value: {{ $root.Values.ports.workerSteps | quote }}
     {{- if gt $nodes 1 }}
     - name: STORMSERVE_GROUP_PORT
       value: {{ $root.Values.worker.groupPort | quote }}
@@ -43,6 +45,10 @@ leaderworkerset.sigs.k8s.io/worker-index: "0"
   ports:
     - name: grpc
       containerPort: {{ $root.Values.ports.worker }}
+      protocol: TCP
+    # The step channel: the scheduler reaches it at the pod's IP and the port Describe reports.
+    - name: steps
+      containerPort: {{ $root.Values.ports.workerSteps }}
       protocol: TCP
     {{- include "stormserve.metricsContainerPort" $root | nindent 4 }}
     {{- with include "stormserve.healthContainerPort" $root | trim }}
@@ -89,6 +95,8 @@ leaderworkerset.sigs.k8s.io/worker-index: "0"
       value: {{ $root.Values.worker.accelerator | quote }}
     - name: STORMSERVE_TENSOR_PARALLEL_SIZE
       value: {{ mul $nodes $root.Values.worker.tensorParallelSize | quote }}
+    - name: STORMSERVE_STEP_PORT
+      value: {{ $root.Values.ports.workerSteps | quote }}
     - name: STORMSERVE_GROUP_PORT
       value: {{ $root.Values.worker.groupPort | quote }}
   volumeMounts:

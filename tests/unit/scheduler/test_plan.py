@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from services.scheduler.plan import SampledToken, ScheduledSequence, StepPlan
 from services.scheduler.sequence import SamplingParams
-from services.scheduler.worker_client import sampled_tokens, step_request
+from services.scheduler.worker_client import host_of, sampled_tokens, step_request
 from stormserve.worker.v1 import worker_pb2
 from tests.unit.scheduler.test_policy import make_seq
 
@@ -195,3 +195,10 @@ def test_a_shrunk_table_is_a_new_list():
     table = seq.block_table
     blocks.shrink(seq, 5)  # the drafts' blocks go back
     assert seq.block_table is not table and seq.block_table == table[:2] and blocks.num_free_blocks == 6
+
+
+def test_the_step_channel_is_dialled_at_the_host_of_the_workers_address():
+    # As discovery writes them (services/common/kube.py) and as settings give them.
+    assert host_of("10.0.3.7:50053") == "10.0.3.7"
+    assert host_of("[fd00::12]:50053") == "fd00::12"
+    assert host_of("worker-0.workers.ns.svc:50053") == "worker-0.workers.ns.svc"

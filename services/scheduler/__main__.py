@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 
 from services.common.config import load_config
 from services.common.grpc_server import GrpcService
@@ -21,6 +22,11 @@ from services.scheduler.worker_client import WorkerClient
 from stormserve.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 READY_POLL_S = 0.5
+# The step loop allocates a few short-lived objects per token: with the default
+# thresholds (700, 10, 10) a young collection ran every 700 of them, and the
+# older generations, walking every live sequence, every 7,000 and 70,000.
+# Measured (bench.scheduler_throughput, 16 x 64): 309 -> 263-277 us of CPU a step.
+GC_THRESHOLDS = (10_000, 10, 10)
 
 
 async def main() -> None:
@@ -75,6 +81,9 @@ async def main() -> None:
         scheduler_pb2.DESCRIPTOR.services_by_name["SchedulerService"],
     )
     await service.start()
+    gc.collect()
+    gc.freeze()  # what start-up built lives as long as the process: no collection walks it again
+    gc.set_threshold(*GC_THRESHOLDS)
     for engine in engines:
         engine.start()
     watching = asyncio.create_task(watcher.run()) if watcher is not None else None

@@ -29,10 +29,14 @@ message then costs no task switch, no copy, and no wake-up of its own.
 
 A stream may also carry plain messages packed column by column (the
 response's `packed` field, e.g. GenerateStreamResponse.tokens): a call whose
-start set `packed_tokens` gets `call_packed()`, which adds one entry and says
-whether it could (not once the call has an event in the response being
-filled, so that each call's entries come before its events); the client
-reads them with its `unpack` before the events.
+start set `packed_tokens` gets `call_packed()`, a PackedCall, which adds one
+entry and says whether it could (not once the call has an event in the
+response being filled, so that each call's entries come before its events);
+the client reads them with its `unpack` before the events. An entry is the
+call id (the first column), a value (the second) and a tuple of the other
+columns' values, which is mostly one object for many entries (the scheduler's:
+a step's batch size, queue wait and latency): each entry costs three appends,
+and the columns are built when the response is taken.
 
 A start message's `metadata` is what a per-request RPC carries in its headers:
 the caller's trace context (services/common/tracing.py), in which the
@@ -63,7 +67,7 @@ _call_metadata: ContextVar[Mapping[str, Any]] = ContextVar("call_metadata", defa
 # The running call's in-place replies (see call_reply).
 _call_reply: ContextVar[Callable[[type], Any] | None] = ContextVar("call_reply", default=None)
 # The running call's packed entries (see call_packed); None where it did not ask for them.
-_call_packed: ContextVar[Callable[..., bool] | None] = ContextVar("call_packed", default=None)
+_call_packed: ContextVar[PackedCall | None] = ContextVar("call_packed", default=None)
 
 
 def call_metadata() -> Mapping[str, Any]:
@@ -82,12 +86,56 @@ def call_reply() -> Callable[[type], Any]:
     return reply
 
 
-def call_packed() -> Callable[..., bool] | None:
-    """For a coroutine handler whose call asked for packed entries: `pack(*columns)`
-    adds one (the values of the packed message's columns after the call id) to
-    the response being filled, and returns False, adding nothing, where the call
-    must send an ordinary message instead. None for every other call."""
+def call_packed() -> PackedCall | None:
+    """For a coroutine handler whose call asked for packed entries, its PackedCall;
+    None for every other call."""
     return _call_packed.get()
+
+
+class PackedEntries:
+    """The packed entries of a stream's response being filled, column by column:
+    the call ids, the values, and each entry's tuple of the other columns."""
+
+    __slots__ = ("call_ids", "values", "shared", "evented", "wake")
+
+    def __init__(self, wake: Callable[[], None]):
+        self.call_ids: list[int] = []
+        self.values: list[Any] = []
+        self.shared: list[tuple[Any, ...]] = []
+        self.evented: set[int] = set()  # the calls with an event in the response: no entry may follow one
+        self.wake = wake
+
+    def fill(self, into: Any, column_names: list[str]) -> None:
+        """Write the entries into the packed message `into`, and start empty again."""
+        first, second, *rest = column_names
+        getattr(into, first).extend(self.call_ids)
+        getattr(into, second).extend(self.values)
+        for name, column in zip(rest, zip(*self.shared)):
+            getattr(into, name).extend(column)
+        self.call_ids, self.values, self.shared = [], [], []
+
+
+class PackedCall:
+    """One call's way into its stream's packed entries: `pack(value, shared)`
+    adds an entry (`shared`: the values of the columns after the value's) to the
+    response being filled and returns True, or returns False, adding nothing,
+    where the call must send an ordinary message instead."""
+
+    __slots__ = ("_entries", "_call_id")
+
+    def __init__(self, entries: PackedEntries, call_id: int):
+        self._entries, self._call_id = entries, call_id
+
+    def __call__(self, value: Any, shared: tuple[Any, ...]) -> bool:
+        entries, call_id = self._entries, self._call_id
+        if call_id in entries.evented:
+            return False
+        if not entries.call_ids:
+            entries.wake()
+        entries.call_ids.append(call_id)
+        entries.values.append(value)
+        entries.shared.append(shared)
+        return True
 
 
 async def _answer(handle: Callable[[Any], Any], request: Any, send: Callable[[Any], None]) -> None:
@@ -122,39 +170,23 @@ async def serve_calls(requests: AsyncIterator[Any], handle: Callable[[Any], Asyn
     wake = asyncio.Event()
     calls: dict[int, asyncio.Task] = {}
     requests_done = False
-    # The packed entries of the next message, a tuple each (call id first), and the
-    # calls with an event in it, whose later messages must be events too.
+    # The packed entries of the next message; their `evented` also holds the calls
+    # with an event in it, whose later messages must be events too.
     column_names = ([f.name for f in response_type.DESCRIPTOR.fields_by_name[packed].message_type.fields]
                     if packed is not None else [])
-    rows: list[tuple[Any, ...]] = []
-    evented: set[int] = set()
+    entries = PackedEntries(wake.set)
+    evented = entries.evented
 
     def end(call_id: int, status: status_pb2.Status) -> None:
         outbox.events.add(call_id=call_id, end=status)
         evented.add(call_id)
         wake.set()
 
-    def packer(call_id: int) -> Callable[..., bool]:
-        key = (call_id,)
-
-        def pack(*values: Any) -> bool:
-            if call_id in evented:
-                return False
-            if not rows:
-                wake.set()
-            rows.append(key + values)
-            return True
-
-        return pack
-
     def take_outbox() -> Any:
         nonlocal outbox
         message, outbox = outbox, response_type()
-        if rows:
-            into = getattr(message, packed)
-            for name, column in zip(column_names, zip(*rows)):
-                getattr(into, name).extend(column)
-            rows.clear()
+        if entries.call_ids:
+            entries.fill(getattr(message, packed), column_names)
         evented.clear()
         return message
 
@@ -175,7 +207,7 @@ async def serve_calls(requests: AsyncIterator[Any], handle: Callable[[Any], Asyn
             return response
 
         _call_reply.set(reply)
-        _call_packed.set(packer(call_id) if wants_packed else None)
+        _call_packed.set(PackedCall(entries, call_id) if wants_packed else None)
         try:
             with drain.carrying(asyncio.current_task()) if drain is not None else nullcontext():
                 await _answer(handle, request, send)
@@ -219,7 +251,7 @@ async def serve_calls(requests: AsyncIterator[Any], handle: Callable[[Any], Asyn
             wake.clear()
             if reader.done() and not reader.cancelled() and reader.exception() is not None:
                 raise reader.exception()  # type: ignore[misc]
-            if outbox.events or rows:
+            if outbox.events or entries.call_ids:
                 yield take_outbox()
                 wake.set()  # look again: the stream may be done now
             elif (requests_done or (drain is not None and drain.draining)) and not calls:

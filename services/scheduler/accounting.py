@@ -21,8 +21,8 @@ class Accounting:
     _outstanding: dict[int, int]
     _planned: dict[int, ScheduledSequence]
     _prefilled: list[Sequence]
-    # (queue wait µs, latency ms) of each token the last postprocess gave to a sink.
-    packed_stats: list[tuple[int, float]]
+    # How many tokens the last postprocess gave to sinks, by (batch size, queue wait µs, latency ms).
+    packed_stats: dict[tuple[int, int, float], int]
     finish: Callable[[Sequence, FinishReason], None]
     _fork: Callable[[Sequence], None]
     _advance_beams: Callable[[BeamSearch], list[tuple[Sequence, TokenEvent]]]
@@ -35,13 +35,13 @@ class Accounting:
         `sampled` holds a SampledToken per sampling sequence, or the token id alone
         where there is nothing else (no log-probabilities, no drafts). Returns the
         tokens to deliver; a token its sequence's `sink` took (a middle token of a
-        one-choice request) is not among them, but in `packed_stats`."""
+        one-choice request) is not among them, but counted in `packed_stats`."""
         events: list[tuple[Sequence, TokenEvent]] = []
         searches: list[BeamSearch] = []  # beam searches whose every beam has offered
         self._outstanding.pop(plan.step_id, None)
         planned, batch_size, block_size = self._planned, plan.batch_size, self.blocks.block_size
         finished = SequenceStatus.FINISHED
-        packed_stats = self.packed_stats = []
+        packed_stats = self.packed_stats = {}
         if plan.steady.seqs:
             self._take_steady(plan, sampled, started_us, finished_us, events)
         for entry in plan.scheduled:
@@ -88,8 +88,8 @@ class Accounting:
             if seq.moves and self.prefill_only:
                 self._prefilled.append(seq)
             if (sink := seq.sink) is not None and seq.status is not finished \
-                    and sink(token_id, batch_size, queue_wait_us, latency_ms):
-                packed_stats.append((queue_wait_us, latency_ms))
+                    and sink(token_id, shared := (batch_size, queue_wait_us, latency_ms)):
+                packed_stats[shared] = packed_stats.get(shared, 0) + 1
                 continue
             events.append((seq, TokenEvent(token_id, batch_size, queue_wait_us, latency_ms, logprob, top)))
             if seq.stopping.thinking_budget is not None and seq.status is not finished:
@@ -104,37 +104,41 @@ class Accounting:
     def _take_steady(self, plan: StepPlan, sampled: dict[int, SampledToken | int], started_us: int,
                      finished_us: int, events: list[tuple[Sequence, TokenEvent]]) -> None:
         """The steady decodes' tokens (steady.py): each a plain one (nothing asked
-        but the id), taken as postprocess takes any sampled token. Their queue
-        waits and latencies are mostly one pair (all counted from the step
-        before), computed once per distinct `last_event_us`."""
+        but the id), appended with its statistics, given to its sink or delivered,
+        as postprocess takes any sampled token; but none reaches max_tokens, a
+        full block goes into the prefix cache when planning or leaving sees it,
+        and the stop ids are looked for once (`_steady_stops`). Every member's
+        last token came from the step before (steady.py), so all share one
+        queue wait and latency."""
         self._steady_answered(plan.step_id)
-        batch_size, block_size, packed_stats = plan.batch_size, self.blocks.block_size, self.packed_stats
-        running = SequenceStatus.RUNNING
-        last_event_us, stats = None, (0, 0.0)
-        for seq in plan.steady.seqs:
-            if seq.status is not running:
-                # Ended, or preempted, since planning: a preempted sequence runs again
-                # only from a step planned after this one is accounted.
-                continue
-            seq.num_computed_tokens = computed = seq.num_computed_tokens + 1
-            if computed // block_size > len(seq.block_hashes):
-                self.blocks.commit(seq)
-            token_id = sampled[seq.seq_id]
-            if type(token_id) is not int:
-                token_id = token_id.token_id
-            if seq.last_event_us != last_event_us:
-                last_event_us = seq.last_event_us
-                stats = (started_us - last_event_us if started_us > last_event_us else 0,
-                         (finished_us - last_event_us if finished_us > last_event_us else 0) / 1000.0)
+        steady = plan.steady
+        seqs, tokens = steady.seqs, list(map(sampled.__getitem__, steady.seq_ids))
+        if steady.leaves != self._steady_leaves:
+            # Some ended, or were preempted, since planning: their tokens are dropped (a
+            # preempted sequence runs again only from a step planned after this one is accounted).
+            running = SequenceStatus.RUNNING
+            kept = [i for i, seq in enumerate(seqs) if seq.status is running]
+            seqs, tokens = [seqs[i] for i in kept], [tokens[i] for i in kept]
+            if not seqs:
+                return
+        if len(set(map(type, tokens))) > 1 or type(tokens[0]) is not int:  # more than the id came
+            tokens = [t if type(t) is int else t.token_id for t in tokens]
+        stops = self._steady_stops.intersection(tokens) if self._steady_stops else ()
+        last_event_us = seqs[0].last_event_us
+        shared = (plan.batch_size, started_us - last_event_us if started_us > last_event_us else 0,
+                  (finished_us - last_event_us if finished_us > last_event_us else 0) / 1000.0)
+        num_events = len(events)
+        for seq, token_id in zip(seqs, tokens):
+            seq.output_token_ids.append(token_id)
+            seq.num_computed_tokens += 1
             seq.last_event_us = finished_us
-            outputs = seq.output_token_ids
-            outputs.append(token_id)
-            if token_id in seq.stop_ids or len(outputs) >= seq.stopping.max_tokens:
+            if token_id in stops and token_id in seq.stop_ids:
                 self._check_finished(seq, token_id)
-            elif (sink := seq.sink) is not None and sink(token_id, batch_size, *stats):
-                packed_stats.append(stats)
+            elif (sink := seq.sink) is not None and sink(token_id, shared):
                 continue
-            events.append((seq, TokenEvent(token_id, batch_size, *stats)))
+            events.append((seq, TokenEvent(token_id, *shared)))
+        if num_packed := len(seqs) - (len(events) - num_events):
+            self.packed_stats[shared] = self.packed_stats.get(shared, 0) + num_packed
 
     def _take_verified(self, entry: ScheduledSequence, token: SampledToken, plan: StepPlan, started_us: int,
                        finished_us: int) -> list[tuple[Sequence, TokenEvent]]:

@@ -179,9 +179,10 @@ class EngineMetrics:
         self.step_planning = metrics.step_planning.labels(*values)
 
     def on_step(self, plan: StepPlan, events: list[tuple[Sequence, TokenEvent]], started_us: int,
-                finished_us: int, packed: list[tuple[int, float]] = ()) -> None:
+                finished_us: int, packed: Mapping[tuple[int, int, float], int] = {}) -> None:
         """A step answered: `events` are the tokens it delivered (postprocess's result),
-        `packed` the (queue wait µs, latency ms) of those it gave to sinks (never a first token)."""
+        `packed` how many it gave to sinks (never a first token) by (batch size,
+        queue wait µs, latency ms)."""
         decodes = plan.num_decodes
         prefills = plan.batch_size - decodes
         if prefills or decodes:
@@ -193,9 +194,11 @@ class EngineMetrics:
         itls: collections.Counter[float] = collections.Counter()
         queue_waits: collections.Counter[float] = collections.Counter()
         # Counted by value first: a step's tokens mostly share their latency and queue wait.
-        for (queue_wait_us, latency_ms), count in collections.Counter(packed).items():
+        num_packed = 0
+        for (_, queue_wait_us, latency_ms), count in packed.items():
             itls[latency_ms * 1e-3] += count
             queue_waits[queue_wait_us * US] += count
+            num_packed += count
         for seq, event in events:
             if seq is previous:
                 continue  # forced tokens (a spent thinking budget) come with the sampled one: not a new latency
@@ -212,10 +215,10 @@ class EngineMetrics:
         observe_many(self.token_queue_wait, queue_waits)
         if prompt:
             self.prompt_tokens.inc(prompt)
-        if events or packed:
-            self.generation_tokens.inc(len(events) + len(packed))
+        if events or num_packed:
+            self.generation_tokens.inc(len(events) + num_packed)
         if plan.batch_size:
-            self.iteration_tokens.observe(prompt + len(events) + len(packed))
+            self.iteration_tokens.observe(prompt + len(events) + num_packed)
 
     def on_finished(self, seq: Sequence, reason: str, now_us: int) -> None:
         """Once per sequence, when its Generate call is done with it (finished, aborted or failed)."""

@@ -72,11 +72,14 @@ class ScheduledSequence(NamedTuple):
 class SteadyDecodes(NamedTuple):
     """A step's steady decodes (see steady.py) as columns: the sequences, their
     ids and the block each one's table gains (-1: none), sent as they are
-    (StepRequest.decode_seq_ids, decode_new_blocks)."""
+    (StepRequest.decode_seq_ids, decode_new_blocks); and how many members had
+    ended or been preempted when it was planned (if more have by the time it
+    is accounted, their tokens are looked for and dropped)."""
 
     seqs: list[Sequence]
     seq_ids: list[int]
     new_blocks: list[int]
+    leaves: int = 0
 
 
 NO_STEADY_DECODES = SteadyDecodes([], [], [])  # never changed in place

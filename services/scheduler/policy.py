@@ -86,7 +86,7 @@ class BatchPolicy(Accounting, BeamSteps, TransferSteps, SteadySteps):
         self._outstanding: dict[int, int] = {}
         self._planned: dict[int, ScheduledSequence] = {}
         self._next_step_id = 0
-        self.packed_stats: list[tuple[int, float]] = []
+        self.packed_stats: dict[tuple[int, int, float], int] = {}
         self._init_transfers(capacity.role == "prefill")
         self._init_steady()
 

@@ -155,9 +155,10 @@ class Sequence:
     moves: bool = False
     # Where its tokens go packed once the request's first message is out (a
     # one-choice request without log-probabilities; set by the server):
-    # sink(token_id, batch_size, queue_wait_us, latency_ms) -> whether it took the
-    # token. A token it does not take (nor a sequence's last) is delivered as an event.
-    sink: Callable[[int, int, int, float], bool] | None = None
+    # sink(token_id, (batch_size, queue_wait_us, latency_ms)) -> whether it took
+    # the token (the tuple is often one object for a whole step's tokens). A
+    # token it does not take (nor a sequence's last) is delivered as an event.
+    sink: Callable[[int, tuple[int, int, float]], bool] | None = None
     # The tokens that end it: its stop_token_ids, and the model's EOS unless
     # ignore_eos (set by the policy it is added to).
     stop_ids: frozenset[int] = frozenset()

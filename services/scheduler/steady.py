@@ -11,14 +11,19 @@ the sequences, their ids, the block each table gains), which the worker client
 sends as they are and accounting walks in one loop.
 
 Planning looks at one number per member, its output length against
-`steady_due`: the length at which its table needs a block, or its next token
-could be its last (max_tokens). Only the members that reach it are handled one
-by one. A member leaves the set when it finishes or is preempted, when its
-token in flight could be its last (it then waits for that token, as any
-sequence does), and when no block is free for it (the ordinary planning then
-preempts, as for any decode). The set dissolves when none of its steps is in
-flight (the engine went idle): its members are planned whole again, and join
-again a step later.
+`steady_due`: the length at which its table needs a block, its last full
+block is to go into the prefix cache, or the token planned next could be its
+last (max_tokens). Only the members that reach it are handled one by one. A
+member leaves the set when it finishes or is preempted (its full blocks then
+go into the prefix cache), when the token planned next could be its last (it
+is planned as any sequence, and its last token accounted as any), and when no
+block is free for it (the ordinary planning then preempts, as for any
+decode). The set dissolves when none of its steps is in flight (the engine
+went idle): its members are planned whole again, and join again a step later.
+
+So accounting a member's token (accounting.py, `_take_steady`) is an append,
+two counters, and its sink: it never reaches max_tokens, and a stop token is
+looked for once per step among every stop id a member ever had.
 
 Invariant: every member is in every step planned while it is a member, so
 when a step is planned its members' last step is the one in flight, and each
@@ -40,6 +45,8 @@ class SteadySteps:
         self._steady: dict[int, Sequence] = {}
         self._steady_in_flight: dict[int, Sequence] = {}
         self._steady_step_id = -1  # the step whose members _steady_in_flight holds
+        self._steady_stops: set[int] = set()  # every member's stop ids, ever: a superset of the members'
+        self._steady_leaves = 0  # members ended or preempted so far (SteadyDecodes.leaves)
         self._steady_allowed = self.capacity.holds_block_tables and not self._is_speculating
 
     def _plan_steady(self) -> tuple[dict[int, Sequence], dict[int, int]]:
@@ -52,10 +59,12 @@ class SteadySteps:
             return {}, {}
         now, grown = dict(steady), {}
         for seq in [seq for seq in steady.values() if len(seq.output_token_ids) >= seq.steady_due]:
+            if seq.num_computed_tokens // self.blocks.block_size > len(seq.block_hashes):
+                self.blocks.commit(seq)
             table = seq.block_table
             total = seq.num_tokens + 1  # with the token in flight
             needs_block = total > len(table) * self.blocks.block_size
-            if len(seq.output_token_ids) + 1 >= seq.stopping.max_tokens or (
+            if len(seq.output_token_ids) + 2 >= seq.stopping.max_tokens or (
                     needs_block and not self.blocks.can_grow(seq, total)):
                 del steady[seq.seq_id], now[seq.seq_id]  # planned (or held back) like any sequence
                 continue
@@ -73,15 +82,24 @@ class SteadySteps:
                 or seq.moves or seq.sampling.top_logprobs >= 0 \
                 or (seq.stopping.thinking_budget is not None and not seq.is_thinking_done):
             return False
+        if len(seq.output_token_ids) + 2 >= seq.stopping.max_tokens:  # the token planned could be its last
+            return False
         self._steady[seq.seq_id] = now[seq.seq_id] = seq
         if entry.extends_table >= 0:
             grown[seq.seq_id] = entry.extends_table
+        self._steady_stops |= seq.stop_ids
         self._set_steady_due(seq)
         return True
 
     def _set_steady_due(self, seq: Sequence) -> None:
-        room = len(seq.block_table) * self.blocks.block_size - seq.num_prompt_tokens
-        seq.steady_due = min(room, seq.stopping.max_tokens - 1)
+        """The output length at which planning handles `seq` again: its table
+        is full, its next block fills up (its computed tokens, one fewer than
+        its tokens, reach the end of the block after its hashed ones), or the
+        token then planned could be its last."""
+        block_size, num_prompt = self.blocks.block_size, seq.num_prompt_tokens
+        room = len(seq.block_table) * block_size - num_prompt
+        fills = (len(seq.block_hashes) + 1) * block_size + 1 - num_prompt
+        seq.steady_due = min(room, fills, seq.stopping.max_tokens - 2)
 
     def _steady_decodes(self, now: dict[int, Sequence], grown: dict[int, int], step_id: int) -> SteadyDecodes:
         """The planned step's columns; its members are the ones in flight from now."""
@@ -90,12 +108,17 @@ class SteadySteps:
         self._steady_in_flight, self._steady_step_id = now, step_id
         seq_ids = list(now)
         return SteadyDecodes(list(now.values()), seq_ids, [grown.get(i, -1) for i in seq_ids] if grown else
-                             [-1] * len(seq_ids))
+                             [-1] * len(seq_ids), self._steady_leaves)
 
     def _leave_steady(self, seq: Sequence) -> None:
-        """It finished or was preempted: a step in flight has its token dropped."""
-        self._steady.pop(seq.seq_id, None)
-        self._steady_in_flight.pop(seq.seq_id, None)
+        """It finishes or is preempted (before its blocks are freed): a step in
+        flight has its token dropped, and its full blocks go into the prefix cache."""
+        member = self._steady.pop(seq.seq_id, None)
+        if self._steady_in_flight.pop(seq.seq_id, None) is None and member is None:
+            return
+        self._steady_leaves += 1
+        if seq.num_computed_tokens // self.blocks.block_size > len(seq.block_hashes):
+            self.blocks.commit(seq)
 
     def _steady_answered(self, step_id: int) -> None:
         if step_id == self._steady_step_id:

@@ -31,7 +31,7 @@ async def handle(request: scheduler_pb2.GenerateRequest) -> None:
             await asyncio.sleep(0.01)
             continue
         kind, token = step
-        if kind == "pack" and pack is not None and pack(token, 7, 100 + token, 0.5):
+        if kind == "pack" and pack is not None and pack(token, (7, 100 + token, 0.5)):
             continue
         reply(scheduler_pb2.GenerateResponse).tokens.add(token_id=token, batch_size=7)
 

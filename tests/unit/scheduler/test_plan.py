@@ -3,7 +3,7 @@ tokens, the Step message built in place, and the sampled tokens read back."""
 from __future__ import annotations
 
 from services.scheduler.plan import SampledToken, ScheduledSequence, StepPlan
-from services.scheduler.sequence import SamplingParams
+from services.scheduler.sequence import SamplingParams, Sequence
 from services.scheduler.worker_client import host_of, sampled_tokens, step_request
 from stormserve.worker.v1 import worker_pb2
 from tests.unit.scheduler.test_policy import make_seq
@@ -118,11 +118,13 @@ def test_steady_decodes_go_as_columns_and_grow_their_tables_on_the_workers_copy(
         tables.append({s.seq_id: list(s.block_table) for s in seqs})
     policy.postprocess(plans[-2], worker.step(plans[-2]), 0, 0)
     steady = [p.steady for p in plans[1:-1]]
-    assert [s.seq_ids for s in steady] == [[1, 2]] * 5 + [[1]] * 5  # 1 + 10 and 1 + 5 tokens: no step wasted
+    # 1 + 10 and 1 + 5 tokens, no step wasted; a last token is planned as any sequence's.
+    assert [s.seq_ids for s in steady] == [[1, 2]] * 4 + [[1]] * 5 + [[]]
+    assert [e.seq.seq_id for e in plans[5].scheduled] == [2] and [e.seq.seq_id for e in plans[10].scheduled] == [1]
     # A table gains its block in the step that feeds the block's first position (3 prompt tokens, blocks of 4).
     grown = [(n, i, b) for n, s in enumerate(steady, 1) for i, b in zip(s.seq_ids, s.new_blocks) if b >= 0]
-    assert grown == [(2, 1, tables[2][1][1]), (2, 2, tables[2][2][1]), (6, 1, tables[6][1][2]),
-                     (10, 1, tables[10][1][3])]
+    assert grown == [(2, 1, tables[2][1][1]), (2, 2, tables[2][2][1]), (6, 1, tables[6][1][2])]
+    assert plans[10].scheduled[0].extends_table == tables[10][1][3]
     message = step_request(plans[2])
     assert list(message.decode_seq_ids) == [1, 2] and not message.sequences
     assert list(message.decode_new_blocks) == plans[2].steady.new_blocks
@@ -202,3 +204,56 @@ def test_the_step_channel_is_dialled_at_the_host_of_the_workers_address():
     assert host_of("10.0.3.7:50053") == "10.0.3.7"
     assert host_of("[fd00::12]:50053") == "fd00::12"
     assert host_of("worker-0.workers.ns.svc:50053") == "worker-0.workers.ns.svc"
+
+
+def test_steady_decodes_stop_at_their_own_stop_ids_and_fill_the_prefix_cache_as_planned_one_at_a_time():
+    """Three sequences of one prompt (one text): 1 stops at a token 3 never stops at
+    (so the step's token is among the members' stop ids, not 3's), 2 at a later one.
+    Against planning one step at a time (no steady decodes): the same tokens,
+    the same blocks in the prefix cache, each token's latency and queue wait
+    counted from the sequence's last one, and a member's full blocks hashed by
+    the time a step is planned."""
+    from tests.unit.scheduler.test_policy import FakeWorker, make_policy
+
+    def run(pipelined: bool, stops: dict[int, frozenset[int]]):
+        policy, worker = make_policy(block_size=4), FakeWorker()
+        seqs = [make_seq(i, prompt_len=3, max_tokens=30, stop_token_ids=stops.get(i, frozenset()), ignore_eos=True)
+                for i in (1, 2, 3)]
+        for seq in seqs:
+            policy.add(seq)
+        last = {s.seq_id: s.arrival_us for s in seqs}
+        timings, stopped_steady, now = [], set(), 10_000
+        plans = [policy.schedule()] + ([policy.schedule()] if pipelined else [])
+        while plans[-1] is not None:
+            plan = plans.pop(0)
+            now += 1_000
+            for seq, event in policy.postprocess(plan, worker.step(plan), now - 400, now):
+                timings.append((event.latency_ms, event.queue_wait_us, (now - last[seq.seq_id]) / 1000,
+                                max(0, now - 400 - last[seq.seq_id])))
+                last[seq.seq_id] = now
+                if seq.is_finished and seq in plan.steady.seqs:
+                    stopped_steady.add(seq.seq_id)
+                    # Its full blocks are in the prefix cache as it ends (blocks of 4 tokens).
+                    text = Sequence(0, "again", seq.all_token_ids, SamplingParams(), seq.stopping, 0)
+                    assert policy.num_cached_prefix_tokens(text) == (seq.num_tokens - 1) // 4 * 4
+            plans.append(policy.schedule())
+            for seq in policy._steady.values():
+                assert len(seq.block_hashes) == seq.num_computed_tokens // 4
+        for plan in plans[:-1]:
+            now += 1_000
+            policy.postprocess(plan, worker.step(plan), now - 400, now)
+        assert all(s.is_finished for s in seqs)
+        assert all(latency == expected and wait == expected_wait for latency, wait, expected, expected_wait in timings)
+        return [s.output_token_ids for s in seqs], set(policy.blocks._cached), stopped_steady
+
+    free_run, _, _ = run(False, {})
+    assert free_run[0] == free_run[2] and len(set(free_run[0][4:])) > 2
+    text = free_run[0]
+    # The first new token past the sixth that fills a block as 1 ends (3 prompt tokens, the last one not computed).
+    end_1 = next(n for n in range(6, 30) if text[n] not in text[:n] and (3 + n) % 4 == 0)
+    end_2 = next(n for n in range(end_1 + 3, 30) if text[n] not in text[:n])
+    stops = {1: frozenset({text[end_1]}), 2: frozenset({text[end_2]})}
+    expected, cached, _ = run(False, stops)
+    outputs, steady_cached, stopped_steady = run(True, stops)
+    assert [len(o) for o in expected] == [end_1 + 1, end_2 + 1, 30] and outputs == expected
+    assert steady_cached == cached and stopped_steady == {1, 2}

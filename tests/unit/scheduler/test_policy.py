@@ -339,9 +339,9 @@ def test_a_sink_takes_the_middle_tokens_and_the_last_one_is_delivered():
     policy.add(seq)
     taken, accepts = [], [True]
 
-    def sink(token_id, batch_size, queue_wait_us, latency_ms):
+    def sink(token_id, shared):
         if accepts[0]:
-            taken.append((token_id, batch_size, queue_wait_us, latency_ms))
+            taken.append((token_id, *shared))
         return accepts[0]
 
     def step(started, finished):
@@ -351,9 +351,9 @@ def test_a_sink_takes_the_middle_tokens_and_the_last_one_is_delivered():
 
     assert step(2_000, 12_000) == [(1, 7, 11.0)]  # the first token, before the server sets the sink
     seq.sink = sink
-    assert step(12_400, 20_000) == [] and taken == [(7, 1, 400, 8.0)] and policy.packed_stats == [(400, 8.0)]
+    assert step(12_400, 20_000) == [] and taken == [(7, 1, 400, 8.0)] and policy.packed_stats == {(1, 400, 8.0): 1}
     accepts[0] = False  # the stream's message has an event of this call already
-    assert step(20_000, 21_000) == [(1, 7, 1.0)] and policy.packed_stats == []
+    assert step(20_000, 21_000) == [(1, 7, 1.0)] and policy.packed_stats == {}
     accepts[0] = True
     assert step(21_000, 23_000) == [(1, 7, 2.0)] and len(taken) == 1  # the last token carries the finish reason
     assert seq.is_finished and seq.output_token_ids == [7, 7, 7, 7]

@@ -94,7 +94,7 @@ class TokenEvent(NamedTuple):
     top_logprobs: tuple[tuple[int, float], ...] | list[tuple[int, float]] = ()
 
 
-@dataclass(eq=False)  # identity: siblings reference each other, and queues remove by identity
+@dataclass(eq=False, slots=True)  # identity: siblings reference each other, and queues remove by identity
 class Sequence:
     seq_id: int
     request_id: str

@@ -48,7 +48,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from contextvars import ContextVar
 from contextlib import aclosing, nullcontext
 from functools import partial
@@ -105,6 +105,19 @@ class PackedEntries:
         self.evented: set[int] = set()  # the calls with an event in the response: no entry may follow one
         self.wake = wake
 
+    def add_many(self, call_ids: list[int], values: Iterable[Any], shared: tuple[Any, ...]) -> bool:
+        """An entry for each of several calls (in order), all with `shared`, as
+        each call's PackedCall would add it; False, adding nothing, if one of
+        them has an event in the response."""
+        if self.evented and not self.evented.isdisjoint(call_ids):
+            return False
+        if not self.call_ids:
+            self.wake()
+        self.call_ids += call_ids
+        self.values += values
+        self.shared += [shared] * len(call_ids)
+        return True
+
     def fill(self, into: Any, column_names: list[str]) -> None:
         """Write the entries into the packed message `into`, and start empty again."""
         first, second, *rest = column_names
@@ -121,13 +134,13 @@ class PackedCall:
     response being filled and returns True, or returns False, adding nothing,
     where the call must send an ordinary message instead."""
 
-    __slots__ = ("_entries", "_call_id")
+    __slots__ = ("entries", "call_id")
 
     def __init__(self, entries: PackedEntries, call_id: int):
-        self._entries, self._call_id = entries, call_id
+        self.entries, self.call_id = entries, call_id
 
     def __call__(self, value: Any, shared: tuple[Any, ...]) -> bool:
-        entries, call_id = self._entries, self._call_id
+        entries, call_id = self.entries, self.call_id
         if call_id in entries.evented:
             return False
         if not entries.call_ids:

@@ -107,9 +107,10 @@ class Accounting:
         but the id), appended with its statistics, given to its sink or delivered,
         as postprocess takes any sampled token; but none reaches max_tokens, a
         full block goes into the prefix cache when planning or leaving sees it,
-        and the stop ids are looked for once (`_steady_stops`). Every member's
-        last token came from the step before (steady.py), so all share one
-        queue wait and latency."""
+        the stop ids are looked for once (`_steady_stops`), and the tokens of
+        the members whose requests are packed on one stream go to it at once
+        (`_steady_lanes`). Every member's last token came from the step before
+        (steady.py), so all share one queue wait and latency."""
         self._steady_answered(plan.step_id)
         steady = plan.steady
         seqs, tokens = steady.seqs, list(map(sampled.__getitem__, steady.seq_ids))
@@ -123,21 +124,31 @@ class Accounting:
                 return
         if len(set(map(type, tokens))) > 1 or type(tokens[0]) is not int:  # more than the id came
             tokens = [t if type(t) is int else t.token_id for t in tokens]
-        stops = self._steady_stops.intersection(tokens) if self._steady_stops else ()
         last_event_us = seqs[0].last_event_us
-        shared = (plan.batch_size, started_us - last_event_us if started_us > last_event_us else 0,
-                  (finished_us - last_event_us if finished_us > last_event_us else 0) / 1000.0)
-        num_events = len(events)
         for seq, token_id in zip(seqs, tokens):
             seq.output_token_ids.append(token_id)
             seq.num_computed_tokens += 1
             seq.last_event_us = finished_us
+        shared = (plan.batch_size, started_us - last_event_us if started_us > last_event_us else 0,
+                  (finished_us - last_event_us if finished_us > last_event_us else 0) / 1000.0)
+        stops = self._steady_stops.intersection(tokens) if self._steady_stops else ()
+        num_packed, rest = 0, range(len(seqs))
+        if not stops:  # else each member's token is taken alone, its own stop ids looked at
+            lanes, rest = self._steady_lanes(seqs)
+            for entries, call_ids, take, members in lanes:
+                if entries.add_many(call_ids, take(tokens), shared):
+                    num_packed += len(call_ids)
+                else:  # one of those calls has an event in the stream's message: each goes alone
+                    rest = sorted(rest + members)
+        for i in rest:
+            seq, token_id = seqs[i], tokens[i]
             if token_id in stops and token_id in seq.stop_ids:
                 self._check_finished(seq, token_id)
             elif (sink := seq.sink) is not None and sink(token_id, shared):
+                num_packed += 1
                 continue
             events.append((seq, TokenEvent(token_id, *shared)))
-        if num_packed := len(seqs) - (len(events) - num_events):
+        if num_packed:
             self.packed_stats[shared] = self.packed_stats.get(shared, 0) + num_packed
 
     def _take_verified(self, entry: ScheduledSequence, token: SampledToken, plan: StepPlan, started_us: int,

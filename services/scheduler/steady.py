@@ -30,9 +30,19 @@ when a step is planned its members' last step is the one in flight, and each
 one's position is its accounted one plus the token in flight."""
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+from operator import itemgetter
+from typing import Any
+
+from services.common.multiplex import PackedCall, PackedEntries
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.plan import NO_STEADY_DECODES, ScheduledSequence, SteadyDecodes, WorkerCapacity
 from services.scheduler.sequence import Sequence, SequenceStatus
+
+
+# A stream's share of a step's steady decodes: its entries, the calls' ids,
+# what picks their tokens out of the step's, and their indices in the step.
+Lane = tuple[PackedEntries, list[int], Callable[[list[int]], Iterable[int]], list[int]]
 
 
 class SteadySteps:
@@ -47,6 +57,9 @@ class SteadySteps:
         self._steady_step_id = -1  # the step whose members _steady_in_flight holds
         self._steady_stops: set[int] = set()  # every member's stop ids, ever: a superset of the members'
         self._steady_leaves = 0  # members ended or preempted so far (SteadyDecodes.leaves)
+        # _steady_lanes' last answer, and the members and sinks it was for.
+        self._lanes: tuple[list[Lane], list[int]] = ([], [])
+        self._lanes_for: tuple[list[Sequence], list[Any]] = ([], [])
         self._steady_allowed = self.capacity.holds_block_tables and not self._is_speculating
 
     def _plan_steady(self) -> tuple[dict[int, Sequence], dict[int, int]]:
@@ -124,10 +137,42 @@ class SteadySteps:
         if step_id == self._steady_step_id:
             self._steady_in_flight = {}
 
+    def _steady_lanes(self, seqs: list[Sequence]) -> tuple[list[Lane], list[int]]:
+        """The members whose requests are packed on one stream, per stream
+        (Lane: its PackedEntries, their call ids, what picks their tokens out
+        of the step's, their indices in `seqs`), and the indices of the others.
+        Built again only when the members or their sinks changed since the last step."""
+        sinks = [seq.sink for seq in seqs]
+        if seqs == self._lanes_for[0] and sinks == self._lanes_for[1]:
+            return self._lanes
+        by_stream: dict[PackedEntries, tuple[list[int], list[int]]] = {}
+        rest = []
+        for index, sink in enumerate(sinks):
+            if type(sink) is PackedCall:
+                members, call_ids = by_stream.setdefault(sink.entries, ([], []))
+                members.append(index)
+                call_ids.append(sink.call_id)
+            else:
+                rest.append(index)
+        lanes = [(entries, call_ids, _taker(members, len(seqs)), members)
+                 for entries, (members, call_ids) in by_stream.items()]
+        self._lanes, self._lanes_for = (lanes, rest), (seqs, sinks)
+        return self._lanes
+
     def _forget_steady(self) -> None:
         self._steady.clear()
         self._steady_in_flight = {}
         self._steady_step_id = -1
+
+
+def _taker(members: list[int], num_seqs: int) -> Callable[[list[int]], Iterable[int]]:
+    """What picks `members`' tokens (by index) out of a step's, in order."""
+    if len(members) == num_seqs:
+        return lambda tokens: tokens  # all of them, in order (members ascend)
+    if len(members) == 1:
+        index = members[0]
+        return lambda tokens: (tokens[index],)
+    return itemgetter(*members)
 
 
 def still_running(now: dict[int, Sequence]) -> dict[int, Sequence]:

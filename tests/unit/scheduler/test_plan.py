@@ -257,3 +257,47 @@ def test_steady_decodes_stop_at_their_own_stop_ids_and_fill_the_prefix_cache_as_
     outputs, steady_cached, stopped_steady = run(True, stops)
     assert [len(o) for o in expected] == [end_1 + 1, end_2 + 1, 30] and outputs == expected
     assert steady_cached == cached and stopped_steady == {1, 2}
+
+
+def test_steady_tokens_go_to_each_stream_at_once_and_alone_where_a_call_has_an_event_there():
+    """Four members, three packed on two streams and one not: each stream gets
+    its calls' tokens in member order with the step's statistics; where one
+    of its calls has an event in the stream's message, that call's token is an
+    event and the stream's other calls still get theirs."""
+    from services.common.multiplex import PackedCall, PackedEntries
+    from tests.unit.scheduler.test_policy import FakeWorker, make_policy
+
+    policy, worker = make_policy(block_size=4), FakeWorker()
+    seqs = [make_seq(i, prompt_len=2 + i, max_tokens=20) for i in (1, 2, 3, 4)]  # four texts
+    for seq in seqs:
+        policy.add(seq)
+    wakes = []
+    streams = [PackedEntries(lambda: wakes.append(1)), PackedEntries(lambda: wakes.append(2))]
+    plans, delivered, now = [policy.schedule(), policy.schedule()], [], 10_000
+    for step in range(8):
+        plan = plans.pop(0)
+        if step == 1:  # the first tokens are out: the server sets the sinks
+            for seq, stream, call_id in zip(seqs, (streams[0], streams[1], streams[0]), (11, 22, 33)):
+                seq.sink = PackedCall(stream, call_id)
+        if step == 5:
+            streams[0].evented.add(33)  # an event of call 33 is in stream 0's message
+        if step == 6:
+            streams[0].evented.clear()  # that message went out
+        now += 1_000
+        events = policy.postprocess(plan, worker.step(plan), now - 300, now)
+        delivered.append({seq.seq_id: event.token_id for seq, event in events})
+        if step >= 1:  # steady, with sinks
+            assert plan.steady.seq_ids == [1, 2, 3, 4]
+            tokens = {seq.seq_id: seq.output_token_ids[-1] for seq in seqs}
+            assert delivered[-1] == ({3: tokens[3], 4: tokens[4]} if step == 5 else {4: tokens[4]})
+            assert policy.packed_stats == {(4, 700, 1.0): 2 if step == 5 else 3}
+        plans.append(policy.schedule())
+    assert policy._lanes_for[0] == [seqs[0], seqs[1], seqs[2], seqs[3]]  # built once, then reused
+    by_stream = [list(zip(s.call_ids, s.values)) for s in streams]
+    outputs = {seq.seq_id: seq.output_token_ids for seq in seqs}
+    # Tokens 2 to 8 of each (the first was delivered before; call 33's sixth went as an event).
+    assert by_stream[0] == [p for n in range(1, 8) for p in ((11, outputs[1][n]), (33, outputs[3][n])) if
+                            (p[0], n) != (33, 5)]
+    assert by_stream[1] == [(22, outputs[2][n]) for n in range(1, 8)]
+    assert {s for shared in (streams[0].shared + streams[1].shared) for s in shared} == {4, 700, 1.0}
+    assert wakes[:2] == [1, 2] and len(wakes) == 2  # once each: the stream was empty

@@ -27,6 +27,7 @@ class Accounting:
     _fork: Callable[[Sequence], None]
     _advance_beams: Callable[[BeamSearch], list[tuple[Sequence, TokenEvent]]]
     _steady_answered: Callable[[int], None]
+    _steady_clock: int
 
     def postprocess(self, plan: StepPlan, sampled: dict[int, SampledToken | int], started_us: int,
                     finished_us: int) -> list[tuple[Sequence, TokenEvent]]:
@@ -38,6 +39,7 @@ class Accounting:
         one-choice request) is not among them, but counted in `packed_stats`."""
         events: list[tuple[Sequence, TokenEvent]] = []
         searches: list[BeamSearch] = []  # beam searches whose every beam has offered
+        self._steady_clock += 1  # every steady member's output grows by one here (steady.py)
         self._outstanding.pop(plan.step_id, None)
         planned, batch_size, block_size = self._planned, plan.batch_size, self.blocks.block_size
         finished = SequenceStatus.FINISHED

@@ -361,6 +361,8 @@ class BatchPolicy(Accounting, BeamSteps, TransferSteps, SteadySteps):
         preempted, the running sequences part-way through their prompt (in
         admission order, up to where the batch filled: past it none would fit),
         and how many of the entries are decodes (past the prompt, StepPlan.num_decodes)."""
+        if len(steady) == len(self.running):  # every running sequence is a steady decode
+            return False, [], 0
         has_preempted = False
         num_decodes = 0
         prefilling: list[Sequence] = []

@@ -162,9 +162,10 @@ class Sequence:
     # The tokens that end it: its stop_token_ids, and the model's EOS unless
     # ignore_eos (set by the policy it is added to).
     stop_ids: frozenset[int] = frozenset()
-    # A steady decode's output length at which its table needs a block or its
-    # next token could be its last (see steady.py).
+    # A steady decode's output length at which planning handles it again, and
+    # the policy's step count at which its output has that length (see steady.py).
     steady_due: int = 0
+    steady_due_at: int = 0
 
     def __post_init__(self) -> None:
         self.last_event_us = self.last_event_us or self.arrival_us

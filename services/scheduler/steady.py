@@ -10,10 +10,11 @@ a ScheduledSequence: a step's steady decodes are three columns (SteadyDecodes:
 the sequences, their ids, the block each table gains), which the worker client
 sends as they are and accounting walks in one loop.
 
-Planning looks at one number per member, its output length against
-`steady_due`: the length at which its table needs a block, its last full
-block is to go into the prefix cache, or the token planned next could be its
-last (max_tokens). Only the members that reach it are handled one by one. A
+Planning handles a member only when its output length reaches `steady_due`:
+the length at which its table needs a block, its last full block is to go
+into the prefix cache, or the token planned next could be its last
+(max_tokens). Each member is filed under the step count at which it does (its
+output grows by one with every step accounted), so a step looks at no other. A
 member leaves the set when it finishes or is preempted (its full blocks then
 go into the prefix cache), when the token planned next could be its last (it
 is planned as any sequence, and its last token accounted as any), and when no
@@ -61,6 +62,12 @@ class SteadySteps:
         self._lanes: tuple[list[Lane], list[int]] = ([], [])
         self._lanes_for: tuple[list[Sequence], list[Any]] = ([], [])
         self._steady_allowed = self.capacity.holds_block_tables and not self._is_speculating
+        # Steps accounted so far (postprocess counts them): a member's output grows by one
+        # with each while it is one. Members by the count at which they reach `steady_due`,
+        # and the count up to which those have been looked at.
+        self._steady_clock = 0
+        self._steady_due_at: dict[int, list[Sequence]] = {}
+        self._steady_looked = 0
 
     def _plan_steady(self) -> tuple[dict[int, Sequence], dict[int, int]]:
         """The members this step decodes (by seq id), and the block each of those whose table grows gains."""
@@ -69,9 +76,10 @@ class SteadySteps:
             return {}, {}
         if not self._steady_in_flight:  # no step of theirs in flight: planned whole again
             steady.clear()
+            self._steady_due_at.clear()
             return {}, {}
         now, grown = dict(steady), {}
-        for seq in [seq for seq in steady.values() if len(seq.output_token_ids) >= seq.steady_due]:
+        for seq in self._steady_reaching_due():
             if seq.num_computed_tokens // self.blocks.block_size > len(seq.block_hashes):
                 self.blocks.commit(seq)
             table = seq.block_table
@@ -108,11 +116,30 @@ class SteadySteps:
         """The output length at which planning handles `seq` again: its table
         is full, its next block fills up (its computed tokens, one fewer than
         its tokens, reach the end of the block after its hashed ones), or the
-        token then planned could be its last."""
+        token then planned could be its last; and the step count at which its
+        output has that length (a step later at the earliest: this one is planned)."""
         block_size, num_prompt = self.blocks.block_size, seq.num_prompt_tokens
         room = len(seq.block_table) * block_size - num_prompt
         fills = (len(seq.block_hashes) + 1) * block_size + 1 - num_prompt
         seq.steady_due = min(room, fills, seq.stopping.max_tokens - 2)
+        seq.steady_due_at = self._steady_clock + max(1, seq.steady_due - len(seq.output_token_ids))
+        due = self._steady_due_at.get(seq.steady_due_at)
+        if due is None:
+            self._steady_due_at[seq.steady_due_at] = [seq]
+        else:
+            due.append(seq)
+
+    def _steady_reaching_due(self) -> list[Sequence]:
+        """The members whose output has reached `steady_due`: those filed under the
+        step counts since the last look (a filing stands while it is the member's
+        last and the sequence a member). Handling one early would change nothing
+        but its filing: what planning does to it depends on its tokens and table."""
+        clock, due_at, steady = self._steady_clock, self._steady_due_at, self._steady
+        if self._steady_looked >= clock:
+            return []
+        looked, self._steady_looked = self._steady_looked, clock
+        return [seq for at in range(looked + 1, clock + 1) for seq in due_at.pop(at, ())
+                if seq.steady_due_at == at and steady.get(seq.seq_id) is seq]
 
     def _steady_decodes(self, now: dict[int, Sequence], grown: dict[int, int], step_id: int) -> SteadyDecodes:
         """The planned step's columns; its members are the ones in flight from now."""
@@ -161,6 +188,7 @@ class SteadySteps:
 
     def _forget_steady(self) -> None:
         self._steady.clear()
+        self._steady_due_at.clear()
         self._steady_in_flight = {}
         self._steady_step_id = -1
 

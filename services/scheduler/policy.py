@@ -256,11 +256,11 @@ class BatchPolicy(Accounting, BeamSteps, TransferSteps, SteadySteps):
 
     def preempt(self, seq: Sequence) -> None:
         """Free a running sequence's blocks; it waits at the head of the queue to be recomputed."""
+        self._leave_steady(seq)  # with its blocks: its full ones go into the prefix cache
         self.running.remove(seq)
         self.blocks.free(seq)
         self._copies.pop(seq.seq_id, None)
         self._planned.pop(seq.seq_id, None)
-        self._leave_steady(seq)
         seq.epoch += 1
         if seq.beam is not None:
             seq.beam.withdraw(seq)

@@ -301,3 +301,37 @@ def test_steady_tokens_go_to_each_stream_at_once_and_alone_where_a_call_has_an_e
     assert by_stream[1] == [(22, outputs[2][n]) for n in range(1, 8)]
     assert {s for shared in (streams[0].shared + streams[1].shared) for s in shared} == {4, 700, 1.0}
     assert wakes[:2] == [1, 2] and len(wakes) == 2  # once each: the stream was empty
+
+
+def test_steady_decodes_preempted_under_a_tiny_pool_come_back_with_the_same_text():
+    """Four sequences in a pool too small for all (blocks of 4), planned one
+    step ahead as the engine does, the worker running each step when it is
+    sent: steady members are preempted (their blocks freed while a step of
+    theirs is in flight), recomputed, and end with the text a large pool gives."""
+    from collections import deque
+
+    from tests.unit.scheduler.test_policy import FakeWorker, make_policy
+
+    def run(num_blocks: int):
+        policy = make_policy(num_blocks=num_blocks)
+        worker = FakeWorker(policy=policy)  # it fails a write into a block another sequence holds
+        seqs = [make_seq(i, prompt_len=20 + i, max_tokens=40, ignore_eos=True) for i in range(1, 5)]
+        for seq in seqs:
+            policy.add(seq)
+        sent: deque = deque()
+        while True:
+            if len(sent) < 2 and (plan := policy.schedule()) is not None:
+                sent.append((plan, worker.step(plan)))
+                if len(sent) < 2:
+                    continue
+            if not sent:
+                break
+            policy.postprocess(*sent.popleft(), 0, 0)
+        assert all(s.is_finished for s in seqs) and policy.blocks.num_free_blocks == num_blocks
+        return [s.output_token_ids for s in seqs], policy
+
+    expected, roomy = run(400)
+    outputs, tiny = run(24)
+    assert roomy.num_preemptions == 0 and tiny.num_preemptions > 4
+    assert tiny._steady_leaves > 0  # members left only by preemption: none ends as a steady decode here
+    assert outputs == expected

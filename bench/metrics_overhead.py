@@ -66,8 +66,8 @@ class MetricsPath:
                      for i in range(sequences)]
         self.plan = StepPlan(1, [ScheduledSequence(seq, seq.num_tokens - 1, 1) for seq in self.seqs],
                              num_decodes=sequences)
-        # Middle tokens of one-choice requests: packed, as postprocess hands them over (no events).
-        self.packed = [(self.step_us // 10, step_ms)] * sequences
+        # Middle tokens of one-choice requests: packed, as postprocess counts them (no events).
+        self.packed = {(sequences, self.step_us // 10, step_ms): sequences}
 
     def step(self) -> None:
         self.engine.on_step(self.plan, [], self.now_us - self.step_us, self.now_us, self.packed)

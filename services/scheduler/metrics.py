@@ -13,9 +13,12 @@ the index, and the series, of one that left, so the label has as many values
 as there are workers at once, however many come and go.
 
 What is counted where, and what it costs:
-- once per step (`EngineMetrics.on_step`): token counters, TTFT at a sequence's
-  first token, one inter-token latency and one queue-wait per token, the step's
-  size and duration — plain increments, O(tokens in the step);
+- once per step (`EngineMetrics.on_step`, and the planning time): token
+  counters, TTFT at a sequence's first token, one inter-token latency and one
+  queue-wait per token (counted once per distinct value: a step's tokens
+  mostly share theirs), the step's size and duration — added up in plain
+  numbers (`Tally`) and written into the histograms and the token counter when
+  the registry is collected (a scrape), O(distinct values in the step);
 - once per sequence (`on_finished`): request_success and the per-request histograms;
 - at scrape time (`_StateCollector`): running, waiting, KV usage, prefix-cache
   and preemption counters, worker health — read from the engines' state on the
@@ -26,7 +29,6 @@ are our sibling sequences counted, each with its prompt.
 """
 from __future__ import annotations
 
-import collections
 import itertools
 from bisect import bisect_left
 from collections.abc import Iterable, Mapping, Sequence as Seq
@@ -75,6 +77,9 @@ class SchedulerMetrics:
         self.engines = engines
         self.registry = process_registry(group)  # with a group, every series carries it (`group` label)
         reg = self.registry
+        # Each `engine` label's EngineMetrics, whose tallies a scrape writes out first.
+        self._tallied: dict[str, EngineMetrics] = {}
+        reg.register(_TallyFlush(self._tallied))  # before the series it writes into: collected first
 
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
             return Counter(name, doc, LABELS + extra, registry=reg)
@@ -150,7 +155,11 @@ class SchedulerMetrics:
     def engine(self) -> EngineMetrics:
         """The series of a worker about to join: the lowest `engine` index no current worker holds."""
         held = {e.metrics.label for e in self.engines if e.metrics is not None}
-        return EngineMetrics(self, next(str(i) for i in itertools.count() if str(i) not in held))
+        label = next(str(i) for i in itertools.count() if str(i) not in held)
+        if (left := self._tallied.get(label)) is not None:
+            left.flush()  # the worker that held the label left: what it counted stays counted
+        engine = self._tallied[label] = EngineMetrics(self, label)
+        return engine
 
 
 class EngineMetrics:
@@ -161,22 +170,33 @@ class EngineMetrics:
         values = (metrics.model_name, engine)
         self.prompt_tokens = metrics.prompt_tokens.labels(*values)
         self.generation_tokens = metrics.generation_tokens.labels(*values)
+        self._num_generated = 0  # tokens counted since the last flush
         self.success = {r: metrics.request_success.labels(*values, r) for r in FINISHED_REASONS}
         self.request_prompt_tokens = metrics.request_prompt_tokens.labels(*values)
         self.request_generation_tokens = metrics.request_generation_tokens.labels(*values)
-        self.iteration_tokens = metrics.iteration_tokens.labels(*values)
+        self.iteration_tokens = Tally(metrics.iteration_tokens.labels(*values))
         self.ttft = metrics.ttft.labels(*values)
-        self.itl = metrics.itl.labels(*values)
+        self.itl = Tally(metrics.itl.labels(*values))
         self.tpot = metrics.tpot.labels(*values)
         self.e2e = metrics.e2e.labels(*values)
         self.queue_time = metrics.queue_time.labels(*values)
         self.inference_time = metrics.inference_time.labels(*values)
         self.prefill_time = metrics.prefill_time.labels(*values)
         self.decode_time = metrics.decode_time.labels(*values)
-        self.token_queue_wait = metrics.token_queue_wait.labels(*values)
-        self.step_batch_size = metrics.step_batch_size.labels(*values)
-        self.step_duration = {k: metrics.step_duration.labels(*values, k) for k in STEP_KINDS}
-        self.step_planning = metrics.step_planning.labels(*values)
+        self.token_queue_wait = Tally(metrics.token_queue_wait.labels(*values))
+        self.step_batch_size = Tally(metrics.step_batch_size.labels(*values))
+        self.step_duration = {k: Tally(metrics.step_duration.labels(*values, k)) for k in STEP_KINDS}
+        self.step_planning = Tally(metrics.step_planning.labels(*values))
+        self._tallies = [self.iteration_tokens, self.itl, self.token_queue_wait, self.step_batch_size,
+                         self.step_planning, *self.step_duration.values()]
+
+    def flush(self) -> None:
+        """Write what the tallies and the token count hold into the series."""
+        for tally in self._tallies:
+            tally.flush()
+        if self._num_generated:
+            self.generation_tokens.inc(self._num_generated)
+            self._num_generated = 0
 
     def on_step(self, plan: StepPlan, events: list[tuple[Sequence, TokenEvent]], started_us: int,
                 finished_us: int, packed: Mapping[tuple[int, int, float], int] = {}) -> None:
@@ -191,13 +211,11 @@ class EngineMetrics:
             self.step_batch_size.observe(prefills + decodes)
         prompt = 0
         previous = None
-        itls: collections.Counter[float] = collections.Counter()
-        queue_waits: collections.Counter[float] = collections.Counter()
-        # Counted by value first: a step's tokens mostly share their latency and queue wait.
+        itl, queue_wait = self.itl, self.token_queue_wait
         num_packed = 0
         for (_, queue_wait_us, latency_ms), count in packed.items():
-            itls[latency_ms * 1e-3] += count
-            queue_waits[queue_wait_us * US] += count
+            itl.observe(latency_ms * 1e-3, count)
+            queue_wait.observe(queue_wait_us * US, count)
             num_packed += count
         for seq, event in events:
             if seq is previous:
@@ -209,14 +227,11 @@ class EngineMetrics:
                 prompt += seq.num_prompt_tokens
                 self.ttft.observe((finished_us - seq.arrival_us) * US)
             else:
-                itls[event.latency_ms * 1e-3] += 1
-            queue_waits[event.queue_wait_us * US] += 1
-        observe_many(self.itl, itls)
-        observe_many(self.token_queue_wait, queue_waits)
+                itl.observe(event.latency_ms * 1e-3)
+            queue_wait.observe(event.queue_wait_us * US)
         if prompt:
             self.prompt_tokens.inc(prompt)
-        if events or num_packed:
-            self.generation_tokens.inc(len(events) + num_packed)
+        self._num_generated += len(events) + num_packed
         if plan.batch_size:
             self.iteration_tokens.observe(prompt + len(events) + num_packed)
 
@@ -237,24 +252,51 @@ class EngineMetrics:
         self.request_generation_tokens.observe(generated)
 
 
-def observe_many(histogram: Histogram, amounts: Mapping[float, int]) -> None:
-    """`histogram.observe(amount)` `count` times for each amount and count (a
-    labelled histogram's, no exemplars), with one increment per bucket touched
-    and one of the sum: a step observes a latency and a queue wait per token,
-    and each `observe` takes locks and walks the buckets (prometheus_client
-    0.26's internals, pinned)."""
-    if not amounts:
-        return
-    bounds, buckets = histogram._upper_bounds, histogram._buckets
-    per_bucket: dict[int, int] = {}
-    total = 0.0
-    for amount, count in amounts.items():
-        index = bisect_left(bounds, amount)  # the first bound >= amount, as observe() finds it
-        per_bucket[index] = per_bucket.get(index, 0) + count
-        total += amount * count
-    for index, count in per_bucket.items():
-        buckets[index].inc(count)
-    histogram._sum.inc(total)
+class Tally:
+    """A labelled histogram's observations (no exemplars), added up in plain
+    numbers and written into it by `flush` with one increment per bucket
+    touched and one of the sum, however many there were: a step observes a
+    latency and a queue wait per token, and each `observe` of the histogram
+    takes locks and walks the buckets (prometheus_client 0.26's internals, pinned)."""
+
+    __slots__ = ("_histogram", "_bounds", "_counts", "_sum")
+
+    def __init__(self, histogram: Histogram):
+        self._histogram = histogram
+        self._bounds = histogram._upper_bounds
+        self._counts = [0] * len(self._bounds)
+        self._sum = 0.0
+
+    def observe(self, amount: float, count: int = 1) -> None:
+        """As `histogram.observe(amount)` `count` times, once flushed."""
+        self._counts[bisect_left(self._bounds, amount)] += count  # the first bound >= amount, as observe() finds it
+        self._sum += amount * count
+
+    def flush(self) -> None:
+        counts, buckets = self._counts, self._histogram._buckets
+        if not any(counts):
+            return
+        for index, count in enumerate(counts):
+            if count:
+                buckets[index].inc(count)
+                counts[index] = 0
+        self._histogram._sum.inc(self._sum)
+        self._sum = 0.0
+
+
+class _TallyFlush(Collector):
+    """Collected before the series: writes every engine's tallies into them."""
+
+    def __init__(self, tallied: Mapping[str, EngineMetrics]):
+        self.tallied = tallied
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        for engine in self.tallied.values():
+            engine.flush()
+        return []
 
 
 class _StateCollector(Collector):

@@ -328,12 +328,10 @@ def test_a_discovered_worker_takes_the_engine_label_of_one_that_left():
     assert exported == {"0", "1", "2"}
 
 
-def test_observing_many_at_once_counts_as_observing_each():
+def test_a_tally_counts_as_observing_each():
     from prometheus_client import CollectorRegistry, Histogram
 
-    from collections import Counter
-
-    from services.scheduler.metrics import observe_many
+    from services.scheduler.metrics import Tally
 
     amounts = [0.0, 0.0005, 0.001, 0.0011, 0.3, 7.0, 1e9, 0.001, 0.02]
     amounts += [0.01, 0.1, 1.0, 0.0099, 0.05, 0.5, 2.0, 0.001, 0.0001, 0.3, 0.01]  # a batch's worth
@@ -343,9 +341,15 @@ def test_observing_many_at_once_counts_as_observing_each():
         histogram = Histogram("latency", "seconds", ["engine"], buckets=(0.001, 0.01, 0.1, 1.0), registry=registry)
         child = histogram.labels("0")
         if many:
-            observe_many(child, Counter(amounts[:4]))
-            observe_many(child, {})
-            observe_many(child, Counter(amounts[4:]))  # 0.3, 0.01 and 0.001 twice
+            tally = Tally(child)
+            for amount in amounts[:4]:
+                tally.observe(amount)
+            tally.flush()
+            tally.flush()  # nothing more
+            tally.observe(amounts[4])
+            for amount in set(amounts[5:]):  # 0.3, 0.01 and 0.001 twice
+                tally.observe(amount, amounts[5:].count(amount))
+            tally.flush()
         else:
             for amount in amounts:
                 child.observe(amount)

@@ -22,9 +22,10 @@ block is free for it (the ordinary planning then preempts, as for any
 decode). The set dissolves when none of its steps is in flight (the engine
 went idle): its members are planned whole again, and join again a step later.
 
-So accounting a member's token (accounting.py, `_take_steady`) is an append,
-two counters, and its sink: it never reaches max_tokens, and a stop token is
-looked for once per step among every stop id a member ever had.
+So accounting a member's token (accounting.py, `_take_steady`) is an append
+and two counters: it never reaches max_tokens, a stop token is looked for
+once per step among every stop id a member ever had, and the tokens of the
+members packed on one tokenizer stream go to it at once (`_steady_lanes`).
 
 Invariant: every member is in every step planned while it is a member, so
 when a step is planned its members' last step is the one in flight, and each

@@ -115,15 +115,17 @@ class Accounting:
         (steady.py), so all share one queue wait and latency."""
         self._steady_answered(plan.step_id)
         steady = plan.steady
-        seqs, tokens = steady.seqs, list(map(sampled.__getitem__, steady.seq_ids))
+        seqs, seq_ids = steady.seqs, steady.seq_ids
         if steady.leaves != self._steady_leaves:
-            # Some ended, or were preempted, since planning: their tokens are dropped (a
-            # preempted sequence runs again only from a step planned after this one is accounted).
+            # Some ended, or were preempted, since planning: their tokens, if any (a
+            # refused sequence has none), are dropped. A preempted sequence runs again
+            # only from a step planned after this one is accounted.
             running = SequenceStatus.RUNNING
-            kept = [i for i, seq in enumerate(seqs) if seq.status is running]
-            seqs, tokens = [seqs[i] for i in kept], [tokens[i] for i in kept]
+            seqs = [seq for seq in seqs if seq.status is running]
             if not seqs:
                 return
+            seq_ids = [seq.seq_id for seq in seqs]
+        tokens = list(map(sampled.__getitem__, seq_ids))
         if len(set(map(type, tokens))) > 1 or type(tokens[0]) is not int:  # more than the id came
             tokens = [t if type(t) is int else t.token_id for t in tokens]
         last_event_us = seqs[0].last_event_us

@@ -335,3 +335,34 @@ def test_steady_decodes_preempted_under_a_tiny_pool_come_back_with_the_same_text
     assert roomy.num_preemptions == 0 and tiny.num_preemptions > 4
     assert tiny._steady_leaves > 0  # members left only by preemption: none ends as a steady decode here
     assert outputs == expected
+
+
+def test_a_steady_member_the_worker_refused_is_dropped_from_the_step_planned_before_the_refusal():
+    """The worker refuses a sequence in its first step; the step after, planned
+    before that answer, has it as a steady decode, and the worker refuses it
+    there again (it knows no such sequence) and answers no token for it: its
+    request has ended, and its batch-mate goes on."""
+    from services.scheduler.sequence import FinishReason
+    from tests.unit.scheduler.test_policy import FakeWorker, make_policy
+
+    policy, worker = make_policy(block_size=4), FakeWorker()
+    seqs = [make_seq(i, prompt_len=3, max_tokens=8) for i in (1, 2)]
+    for seq in seqs:
+        policy.add(seq)
+    first, second = policy.schedule(), policy.schedule()
+    assert second.steady.seq_ids == [1, 2]
+    answers = [worker.step(first), worker.step(second)]
+    for answer in answers:
+        del answer[2]  # refused: no token
+    policy.finish(seqs[1], FinishReason.ABORT)  # as the engine ends a refused sequence's request
+    policy.postprocess(first, answers[0], 0, 0)
+    third = policy.schedule()
+    policy.postprocess(second, answers[1], 0, 0)
+    assert third.steady.seq_ids == [1] and seqs[0].output_token_ids == [answers[0][1], answers[1][1]]
+    pending = [third]
+    while pending:
+        plan = pending.pop(0)
+        answer = worker.step(plan)
+        pending += [p for p in [policy.schedule()] if p is not None]
+        policy.postprocess(plan, answer, 0, 0)
+    assert seqs[0].is_finished and len(seqs[0].output_token_ids) == 8 and seqs[1].output_token_ids == []

@@ -83,7 +83,9 @@ NO_WORKER_READY = "no worker is ready"
 # A step the worker refused whole (a scheduler fault, not this request's): the
 # requests in it end; the worker stays in service.
 STEP_FAILED = "a step running this request failed on the worker"
-CLIENT_UNAVAILABLE_MESSAGES = frozenset({WORKER_LOST, NO_WORKER_READY, STEP_FAILED})
+# A fault of the scheduler's own step loop: the requests on that worker end; the loop starts afresh.
+STEP_LOOP_FAILED = "the scheduler failed a step running this request"
+CLIENT_UNAVAILABLE_MESSAGES = frozenset({WORKER_LOST, NO_WORKER_READY, STEP_FAILED, STEP_LOOP_FAILED})
 # A draining service's own words (drain.py): a new call refused, a running one
 # ended by the drain timeout. They name the service, never an address. A refused
 # call never started, so a client may send it again elsewhere (multiplex_client.py does).

@@ -9,7 +9,8 @@ A worker may refuse one sequence of a step (what its request asks is out of
 the worker's ranges): that request alone ends, with INVALID_ARGUMENT and the
 worker's words. A step it refuses whole (a fault of the scheduler's) ends the
 sequences on it, whose worker state went with the step stream, but the worker
-stays in service: only a worker that cannot be reached is lost.
+stays in service: only a worker that cannot be reached is lost. A fault of the
+step loop's own (a scheduler bug) ends them the same way, and the loop goes on.
 
 Steps are pipelined one deep: once step N is sent, step N+1 is planned and sent
 before N's answer is awaited (the policy plans from where N leaves each
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from services.common.errors import STEP_FAILED, WORKER_LOST
+from services.common.errors import STEP_FAILED, STEP_LOOP_FAILED, WORKER_LOST
 from services.scheduler.metrics import EngineMetrics
 from services.scheduler.plan import StepAnswer
 from services.scheduler.policy import BatchPolicy, StepPlan, WorkerCapacity
@@ -203,6 +204,21 @@ class EngineLoop:
         self._deliver_to.pop(request_id, None)
 
     async def _run(self) -> None:
+        """The step loop, started afresh after a fault of its own (a scheduler bug):
+        the requests on this worker end with an error rather than wait on a loop
+        that died, and the worker takes new ones from a fresh plan of its blocks,
+        as after a step it refused whole."""
+        while True:
+            try:
+                await self._steps()
+            except Exception:  # noqa: BLE001 - anything but cancellation: the loop must go on
+                log.exception("worker %s: the step loop failed; the requests on it end", self.worker.address)
+                self.worker.reset()
+                if self.policy is not None:
+                    self._end_all(STEP_LOOP_FAILED, "the step loop failed")
+                    self._new_policy(self.policy.capacity)
+
+    async def _steps(self) -> None:
         # Steps sent and not answered yet, oldest first: the policy that planned
         # each (a lost worker gets a new one), the plan, and when it was sent.
         sent: deque[tuple[BatchPolicy, StepPlan, int]] = deque()

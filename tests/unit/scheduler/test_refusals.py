@@ -3,7 +3,8 @@ refused alone ends its request only, with INVALID_ARGUMENT and the worker's
 words (all of it: siblings, beam search), while the others run to their end and
 the worker stays ready; the refusal of the step planned ahead is ignored; and a
 step refused whole ends what ran on the worker but keeps it ready, without a
-health poll. Only a worker that cannot be reached is lost."""
+health poll, as a fault of the scheduler's own step loop does. Only a worker
+that cannot be reached is lost."""
 from __future__ import annotations
 
 import asyncio
@@ -212,3 +213,31 @@ def test_a_worker_that_cannot_be_reached_is_still_lost():
 
     failure, ready = asyncio.run(scenario())
     assert failure == SequenceFailed(WORKER_LOST) and not ready
+
+
+def test_a_fault_in_the_step_loop_ends_the_requests_on_the_worker_and_the_loop_goes_on(caplog) -> None:
+    """A scheduler bug raised in the step loop: the requests on that worker end
+    with an error (none waits on a loop that died), and the next one is served."""
+    from services.common.errors import STEP_LOOP_FAILED
+    from tests.unit.scheduler.test_engine_drain import started_engine, tokens_until_end
+
+    async def scenario() -> None:
+        engine, _ = await started_engine()
+        stream = submit(engine, [make_seq(1, prompt_len=6, max_tokens=200)])
+        assert isinstance(await asyncio.wait_for(stream.get(), 5), tuple)
+        policy = engine.policy
+
+        def fails(*_):
+            raise KeyError(7)
+
+        policy.postprocess = fails
+        items = await asyncio.wait_for(tokens_until_end(stream, 200), 5)
+        assert isinstance(items[-1], SequenceFailed) and items[-1].message == STEP_LOOP_FAILED
+        assert engine.is_ready and engine.policy is not policy and engine.load == 0
+        after = submit(engine, [make_seq(2, prompt_len=6, max_tokens=MAX_TOKENS)])
+        items = await asyncio.wait_for(tokens_until_end(after, MAX_TOKENS), 5)
+        assert len(items) == MAX_TOKENS and all(isinstance(i, tuple) for i in items) and items[-1][0].is_finished
+        await engine.stop()
+
+    asyncio.run(scenario())
+    assert "the step loop failed" in caplog.text and "KeyError: 7" in caplog.text

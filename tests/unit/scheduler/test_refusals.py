@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 
 import grpc
 import pytest
@@ -28,15 +29,17 @@ from tests.unit.scheduler.test_siblings import assert_no_leak
 from tests.unit.scheduler.streams import submit
 
 TOO_MANY = "top_logprobs must be at most 256"
+NOT_A_NUMBER = "temperature must be a number"
 UNKNOWN = "unknown sequence"
 MAX_TOKENS = 8
 
 
 class RefusingWorkerClient(FakeWorkerClient):
     """Refuses as the worker does: a sequence whose first step asks top_logprobs
-    above 256, and any step of a sequence it does not hold (one planned before
-    its refusal was seen); the rest run on FakeWorker. `refuse_step`: that step
-    ends the step stream with INVALID_ARGUMENT (a step refused whole)."""
+    above 256 or a temperature that is not a number, and any step of a sequence it does not
+    hold (one planned before its refusal was seen, a steady decode too); the
+    rest run on FakeWorker. `refuse_step`: that step ends the step stream with
+    INVALID_ARGUMENT (a step refused whole)."""
 
     def __init__(self):
         super().__init__()
@@ -44,6 +47,10 @@ class RefusingWorkerClient(FakeWorkerClient):
         self.refusals: list[tuple[int, str]] = []  # (seq id, message) in order
         self.refuse_step: int | None = None
         self.stream_ended = False  # a step refused whole: the steps after it on the stream do not run
+
+    async def describe(self):
+        capacity, info = await super().describe()
+        return dataclasses.replace(capacity, holds_block_tables=True), info  # decodes by id: steady ones too
 
     async def send(self, plan) -> None:
         if self.fail_with is not None:
@@ -63,11 +70,18 @@ class RefusingWorkerClient(FakeWorkerClient):
                 refused[seq_id] = UNKNOWN
             elif entry.sends_sampling and entry.seq.sampling.top_logprobs > 256:
                 refused[seq_id] = TOO_MANY
+            elif entry.sends_sampling and math.isnan(entry.seq.sampling.temperature):
+                refused[seq_id] = NOT_A_NUMBER
             else:
                 self.held.add(seq_id)
                 kept.append(entry)
+        steady = [part for part in zip(*plan.steady[:3]) if part[1] in self.held]
+        refused.update((seq_id, UNKNOWN) for seq_id in plan.steady.seq_ids if seq_id not in self.held)
         self.refusals += refused.items()
-        self.answers.put_nowait(StepAnswer(self.fake.step(dataclasses.replace(plan, scheduled=kept)), refused))
+        steady_kept = plan.steady._replace(**dict(zip(("seqs", "seq_ids", "new_blocks"),
+                                                      (list(c) for c in zip(*steady)) if steady else ([], [], []))))
+        self.answers.put_nowait(StepAnswer(self.fake.step(dataclasses.replace(plan, scheduled=kept,
+                                                                             steady=steady_kept)), refused))
 
     async def receive(self):
         await asyncio.sleep(STEP_S)
@@ -102,11 +116,11 @@ async def outcome(stream, seqs) -> list[int] | SequenceFailed:
     return tokens
 
 
-def bad_request(request_id: str, **fields) -> list[Sequence]:
-    """The sequences of a request asking top_logprobs 1000, seq ids from 100 x its number."""
+def bad_request(request_id: str, sampling: dict | None = None, **fields) -> list[Sequence]:
+    """The sequences of a request asking top_logprobs 1000 (or `sampling`), seq ids from 100 x its number."""
     request = scheduler_pb2.GenerateRequest(
         request_id=request_id, prompt_token_ids=[10, 11, 12, 13, 14, 15],
-        sampling=scheduler_pb2.SamplingParams(top_logprobs=1000),
+        sampling=scheduler_pb2.SamplingParams(**(sampling or {"top_logprobs": 1000})),
         stopping=scheduler_pb2.StoppingCriteria(max_tokens=MAX_TOKENS), **fields)
     ids = iter(range(100 * int(request_id[1:]), 100 * int(request_id[1:]) + 99))
     return to_sequences(request, lambda: next(ids), SchedulerConfig(max_batch_size=8), 1_000)[0]
@@ -152,15 +166,20 @@ def test_a_refused_sequence_fails_its_request_only(fields):
     assert_no_leak(engine.policy)
 
 
-def test_the_refusal_of_the_step_planned_ahead_is_ignored():
+@pytest.mark.parametrize("sampling, reason", [
+    ({"top_logprobs": 1000}, TOO_MANY),
+    ({"temperature": math.nan}, NOT_A_NUMBER),
+], ids=["top_logprobs", "temperature (a steady decode next)"])
+def test_the_refusal_of_the_step_planned_ahead_is_ignored(sampling, reason):
     """The bad sequence's first step samples, so the step after it (sent before the
-    refusal came back) feeds it its token: the worker refuses that one as unknown,
-    and the request still ends once, with the first refusal's words."""
+    refusal came back) feeds it its token, as a steady decode where nothing else
+    is asked: the worker refuses that one as unknown, and the request still ends
+    once, with the first refusal's words, while its batch-mate runs to its end."""
     async def scenario():
         client = RefusingWorkerClient()
         engine = await started(client)
         try:
-            bad = bad_request("r9")
+            bad = bad_request("r9", sampling)
             good = [make_seq(1, prompt_len=6, max_tokens=MAX_TOKENS)]
             streams = [submit(engine, bad), submit(engine, good)]
             failure = await outcome(streams[0], bad)
@@ -171,8 +190,8 @@ def test_the_refusal_of_the_step_planned_ahead_is_ignored():
             await engine.stop()
 
     failure, tokens, stream, client = asyncio.run(scenario())
-    assert client.refusals == [(900, TOO_MANY), (900, UNKNOWN)]
-    assert failure == SequenceFailed(TOO_MANY, grpc.StatusCode.INVALID_ARGUMENT)
+    assert client.refusals == [(900, reason), (900, UNKNOWN)]
+    assert failure == SequenceFailed(reason, grpc.StatusCode.INVALID_ARGUMENT)
     assert tokens == [7] * MAX_TOKENS
     assert stream.empty()  # nothing more was delivered
 

@@ -81,8 +81,7 @@ class SteadySteps:
             return {}, {}
         now, grown = dict(steady), {}
         for seq in self._steady_reaching_due():
-            if seq.num_computed_tokens // self.blocks.block_size > len(seq.block_hashes):
-                self.blocks.commit(seq)
+            self.blocks.commit(seq)  # its newly full blocks, if any
             table = seq.block_table
             total = seq.num_tokens + 1  # with the token in flight
             needs_block = total > len(table) * self.blocks.block_size
@@ -124,11 +123,7 @@ class SteadySteps:
         fills = (len(seq.block_hashes) + 1) * block_size + 1 - num_prompt
         seq.steady_due = min(room, fills, seq.stopping.max_tokens - 2)
         seq.steady_due_at = self._steady_clock + max(1, seq.steady_due - len(seq.output_token_ids))
-        due = self._steady_due_at.get(seq.steady_due_at)
-        if due is None:
-            self._steady_due_at[seq.steady_due_at] = [seq]
-        else:
-            due.append(seq)
+        self._steady_due_at.setdefault(seq.steady_due_at, []).append(seq)
 
     def _steady_reaching_due(self) -> list[Sequence]:
         """The members whose output has reached `steady_due`: those filed under the
@@ -158,8 +153,7 @@ class SteadySteps:
         if self._steady_in_flight.pop(seq.seq_id, None) is None and member is None:
             return
         self._steady_leaves += 1
-        if seq.num_computed_tokens // self.blocks.block_size > len(seq.block_hashes):
-            self.blocks.commit(seq)
+        self.blocks.commit(seq)
 
     def _steady_answered(self, step_id: int) -> None:
         if step_id == self._steady_step_id:

@@ -184,7 +184,7 @@ class Caller:
             sampling=scheduler_pb2.SamplingParams(temperature=0.0),
             stopping=scheduler_pb2.StoppingCriteria(max_tokens=self.max_tokens, ignore_eos=True))
         self._outgoing.put_nowait(scheduler_pb2.GenerateStreamRequest(call_id=call_id, start=request,
-                                                                      packed_tokens=True))
+                                                                      packed_tokens=True, packed_token_runs=True))
 
     async def _requests(self):
         while (request := await self._outgoing.get()) is not None:

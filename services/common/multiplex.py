@@ -35,8 +35,10 @@ response being filled, so that each call's entries come before its events);
 the client reads them with its `unpack` before the events. An entry is the
 call id (the first column), a value (the second) and a tuple of the other
 columns' values, which is mostly one object for many entries (the scheduler's:
-a step's batch size, queue wait and latency): each entry costs three appends,
-and the columns are built when the response is taken.
+a step's batch size, queue wait and latency). Consecutive entries with equal
+tuples are a run; a client whose calls set `packed_token_runs` reads those
+columns per run (the packed message's last column, `run_lengths`), others
+per entry. The columns are built when the response is taken.
 
 A start message's `metadata` is what a per-request RPC carries in its headers:
 the caller's trace context (services/common/tracing.py), in which the
@@ -52,6 +54,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from contextvars import ContextVar
 from contextlib import aclosing, nullcontext
 from functools import partial
+from itertools import chain, repeat
 from typing import Any
 
 import grpc
@@ -94,16 +97,19 @@ def call_packed() -> PackedCall | None:
 
 class PackedEntries:
     """The packed entries of a stream's response being filled, column by column:
-    the call ids, the values, and each entry's tuple of the other columns."""
+    the call ids, the values, and the other columns' values in runs of entries
+    that share them (mostly one object for many entries)."""
 
-    __slots__ = ("call_ids", "values", "shared", "evented", "wake")
+    __slots__ = ("call_ids", "values", "run_lengths", "run_shared", "evented", "wake", "runs")
 
     def __init__(self, wake: Callable[[], None]):
         self.call_ids: list[int] = []
         self.values: list[Any] = []
-        self.shared: list[tuple[Any, ...]] = []
+        self.run_lengths: list[int] = []
+        self.run_shared: list[tuple[Any, ...]] = []
         self.evented: set[int] = set()  # the calls with an event in the response: no entry may follow one
         self.wake = wake
+        self.runs = True  # the client reads runs (every packed call on the stream asked for them)
 
     def add_many(self, call_ids: list[int], values: Iterable[Any], shared: tuple[Any, ...]) -> bool:
         """An entry for each of several calls (in order), all with `shared`, as
@@ -115,17 +121,31 @@ class PackedEntries:
             self.wake()
         self.call_ids += call_ids
         self.values += values
-        self.shared += [shared] * len(call_ids)
+        self._extend_run(len(call_ids), shared)
         return True
 
+    def _extend_run(self, length: int, shared: tuple[Any, ...]) -> None:
+        run_shared = self.run_shared
+        if run_shared and run_shared[-1] == shared:
+            self.run_lengths[-1] += length
+        else:
+            run_shared.append(shared)
+            self.run_lengths.append(length)
+
     def fill(self, into: Any, column_names: list[str]) -> None:
-        """Write the entries into the packed message `into`, and start empty again."""
-        first, second, *rest = column_names
+        """Write the entries into the packed message `into` (its columns: the call
+        ids, the values, the shared ones, then the run lengths), and start empty again."""
+        first, second, *shared_names, runs_name = column_names
         getattr(into, first).extend(self.call_ids)
         getattr(into, second).extend(self.values)
-        for name, column in zip(rest, zip(*self.shared)):
+        shared = self.run_shared
+        if self.runs:
+            getattr(into, runs_name).extend(self.run_lengths)
+        else:  # a value per entry
+            shared = list(chain.from_iterable(map(repeat, shared, self.run_lengths)))
+        for name, column in zip(shared_names, zip(*shared)):
             getattr(into, name).extend(column)
-        self.call_ids, self.values, self.shared = [], [], []
+        self.call_ids, self.values, self.run_lengths, self.run_shared = [], [], [], []
 
 
 class PackedCall:
@@ -147,7 +167,7 @@ class PackedCall:
             entries.wake()
         entries.call_ids.append(call_id)
         entries.values.append(value)
-        entries.shared.append(shared)
+        entries._extend_run(1, shared)
         return True
 
 
@@ -248,8 +268,11 @@ async def serve_calls(requests: AsyncIterator[Any], handle: Callable[[Any], Asyn
                     if drain is not None and drain.draining:
                         end(message.call_id, _status(grpc.StatusCode.UNAVAILABLE, drain.refusal()))
                         continue
+                    wants_packed = packed is not None and message.packed_tokens
+                    if wants_packed and not message.packed_token_runs:
+                        entries.runs = False  # a client that reads a value per entry
                     calls[message.call_id] = asyncio.create_task(run(
-                        message.call_id, message.start, message.metadata, packed is not None and message.packed_tokens))
+                        message.call_id, message.start, message.metadata, wants_packed))
                 elif action == "cancel" and (task := calls.pop(message.call_id, None)) is not None:
                     task.cancel()
             requests_done = True  # the caller will start nothing more; running calls go on

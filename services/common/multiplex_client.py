@@ -148,7 +148,8 @@ class CallMultiplexer:
                  unpack: Callable[[Any], Iterable[tuple[int, Any]]] | None = None):
         """`open_stream`: the stub's multiplexed method, e.g. `stub.ChatStream`;
         `unpack`: a response's packed entries as (call id, message), in order,
-        where calls are to ask for them (`packed_tokens`)."""
+        where calls are to ask for them (`packed_tokens`, and `packed_token_runs`:
+        it reads PackedTokens.run_lengths)."""
         self._open_stream = open_stream
         self._request_type = request_type
         self._unpack = unpack
@@ -181,7 +182,7 @@ class CallMultiplexer:
         stream.calls[call_id] = call
         start = self._request_type(call_id=call_id, start=call._request, metadata=call._metadata)
         if self._unpack is not None:
-            start.packed_tokens = True
+            start.packed_tokens = start.packed_token_runs = True
         stream.outgoing.put_nowait(start)
 
     def _resend_refused(self, stream: _Stream, call: MultiplexedCall, end: status_pb2.Status) -> bool:
@@ -224,6 +225,8 @@ class CallMultiplexer:
                         STATUS_CODES.get(end.code, grpc.StatusCode.UNKNOWN), end.message, status_trailers(end)))
         except grpc.aio.AioRpcError as exc:
             error = exc
+        except ValueError as exc:  # `unpack` could not read a response's packed entries
+            error = _error(grpc.StatusCode.INTERNAL, f"the multiplexed stream sent unreadable packed entries: {exc}")
         finally:
             if self._stream is stream:
                 self._stream = None

@@ -6,6 +6,7 @@ import logging
 import time
 import uuid
 from functools import partial
+from itertools import chain, repeat
 from typing import TYPE_CHECKING
 
 import grpc
@@ -132,13 +133,21 @@ def _usage_chunk(outputs: list[ChoiceOutput]) -> chat_pb2.ChatChunk | None:
 
 
 def unpack_tokens(message: scheduler_pb2.GenerateStreamResponse):
-    """A GenerateStreamResponse's packed tokens, each as the GenerateResponse it stands for."""
+    """A GenerateStreamResponse's packed tokens, each as the GenerateResponse it
+    stands for. Columns that do not line up (a run or a value short or over)
+    raise ValueError: the stream then fails rather than lose or invent tokens."""
     packed = message.tokens
     if not packed.call_ids:
         return
     response, token = scheduler_pb2.GenerateResponse, scheduler_pb2.GeneratedToken
-    for call_id, token_id, batch_size, queue_wait_us, latency_ms in zip(
-            packed.call_ids, packed.token_ids, packed.batch_sizes, packed.queue_wait_us, packed.latency_ms):
+    shared = zip(packed.batch_sizes, packed.queue_wait_us, packed.latency_ms, strict=True)
+    if runs := packed.run_lengths:  # a value per run of entries
+        if len(runs) != len(packed.batch_sizes) or sum(runs) != len(packed.call_ids):
+            raise ValueError(f"{len(runs)} runs of {sum(runs)} entries for {len(packed.batch_sizes)} values "
+                             f"and {len(packed.call_ids)} entries")
+        shared = chain.from_iterable(map(repeat, shared, runs))
+    for call_id, token_id, (batch_size, queue_wait_us, latency_ms) in zip(
+            packed.call_ids, packed.token_ids, shared, strict=True):
         yield call_id, response(tokens=[token(token_id=token_id, batch_size=batch_size, queue_wait_us=queue_wait_us,
                                               latency_ms=latency_ms)])
 

@@ -113,3 +113,71 @@ def test_the_client_reads_packed_and_ordinary_messages_in_order() -> None:
         assert all(r.tokens[0].queue_wait_us == 100 + r.tokens[0].token_id and r.tokens[0].latency_ms == 0.5
                    and not r.tokens[0].HasField("logprob") for r in packed)
         assert len(packed) == 3  # a: 3, 4 and 7; b, which asked this time: all three
+
+
+def packed_of(runs: bool) -> scheduler_pb2.GenerateStreamResponse:
+    """Two steps' tokens of two calls (a run each), then a lone entry of a third."""
+    from services.common.multiplex import PackedCall, PackedEntries
+
+    entries = PackedEntries(lambda: None)
+    entries.runs = runs
+    first, second = (32, 10, 1.5), (32, 20, 2.5)
+    assert entries.add_many([1, 2], (5, 6), first) and entries.add_many([1, 2], (7, 8), second)
+    assert PackedCall(entries, 3)(9, (32, 20, 2.5)) and PackedCall(entries, 1)(4, (1, 0, 0.0))
+    message = scheduler_pb2.GenerateStreamResponse()
+    names = [f.name for f in scheduler_pb2.PackedTokens.DESCRIPTOR.fields]
+    entries.fill(message.tokens, names)
+    assert not entries.call_ids and not entries.run_lengths  # empty again
+    return message
+
+
+def test_runs_carry_the_same_tokens_in_fewer_values_and_a_client_reads_both() -> None:
+    per_entry, runs = packed_of(runs=False), packed_of(runs=True)
+    assert list(per_entry.tokens.run_lengths) == [] and list(per_entry.tokens.queue_wait_us) == [10, 10, 20, 20, 20, 0]
+    assert list(runs.tokens.run_lengths) == [2, 3, 1]  # call 3's equal statistics join the second step's run
+    assert list(runs.tokens.queue_wait_us) == [10, 20, 0] and list(runs.tokens.latency_ms) == [1.5, 2.5, 0.0]
+
+    def read(message):
+        return [(call_id, r.tokens[0].token_id, r.tokens[0].batch_size, r.tokens[0].queue_wait_us,
+                 r.tokens[0].latency_ms) for call_id, r in unpack_tokens(message)]
+
+    expected = [(1, 5, 32, 10, 1.5), (2, 6, 32, 10, 1.5), (1, 7, 32, 20, 2.5), (2, 8, 32, 20, 2.5),
+                (3, 9, 32, 20, 2.5), (1, 4, 1, 0, 0.0)]
+    assert read(per_entry) == read(runs) == expected
+
+
+def test_columns_that_do_not_line_up_are_refused_rather_than_read_short() -> None:
+    import pytest
+
+    for break_it in (lambda t: t.run_lengths.__setitem__(2, 2), lambda t: t.run_lengths.append(1),
+                     lambda t: t.latency_ms.append(0.0), lambda t: t.call_ids.append(4)):
+        message = packed_of(runs=True)
+        break_it(message.tokens)
+        with pytest.raises(ValueError):
+            list(unpack_tokens(message))
+
+
+def test_a_stream_sends_runs_only_while_every_packed_call_asked_for_them() -> None:
+    async def main(*starts) -> list[scheduler_pb2.GenerateStreamResponse]:
+        messages = []
+        async with aclosing(serve(stream_of(*starts))) as responses:
+            async for message in responses:
+                messages.append(message)
+                if sum(e.WhichOneof("event") == "end" for m in messages for e in m.events) == len(starts):
+                    return messages
+        return messages
+
+    def with_runs(message: scheduler_pb2.GenerateStreamRequest) -> scheduler_pb2.GenerateStreamRequest:
+        message.packed_token_runs = True
+        return message
+
+    asking = asyncio.run(main(with_runs(start(1, "a", True)), with_runs(start(2, "b", True))))
+    mixed = asyncio.run(main(with_runs(start(1, "a", True)), start(2, "b", True)))
+    assert any(m.tokens.run_lengths for m in asking)
+    assert not any(m.tokens.run_lengths for m in mixed) and any(m.tokens.call_ids for m in mixed)
+    for messages in (asking, mixed):
+        tokens = {1: [], 2: []}
+        for message in messages:
+            for call_id, response in unpack_tokens(message):
+                tokens[call_id].append(response.tokens[0].token_id)
+        assert tokens == {1: [3, 4, 7], 2: [10, 11, 12]}

@@ -30,11 +30,12 @@ class Accounting:
     _steady_clock: int
 
     def postprocess(self, plan: StepPlan, sampled: dict[int, SampledToken | int], started_us: int,
-                    finished_us: int) -> list[tuple[Sequence, TokenEvent]]:
+                    finished_us: int, steady_tokens: list[int] | None = None) -> list[tuple[Sequence, TokenEvent]]:
         """Commit computed KV, append each sampled token with its statistics, finish what is done.
 
         `sampled` holds a SampledToken per sampling sequence, or the token id alone
-        where there is nothing else (no log-probabilities, no drafts). Returns the
+        where there is nothing else (no log-probabilities, no drafts); the steady
+        decodes' tokens may instead be `steady_tokens`, in their order. Returns the
         tokens to deliver; a token its sequence's `sink` took (a middle token of a
         one-choice request) is not among them, but counted in `packed_stats`."""
         events: list[tuple[Sequence, TokenEvent]] = []
@@ -45,7 +46,7 @@ class Accounting:
         finished = SequenceStatus.FINISHED
         packed_stats = self.packed_stats = {}
         if plan.steady.seqs:
-            self._take_steady(plan, sampled, started_us, finished_us, events)
+            self._take_steady(plan, sampled, steady_tokens, started_us, finished_us, events)
         for entry in plan.scheduled:
             seq, computed, num_new, _, is_sampling, _, epoch, drafts, _ = entry
             seq_id = seq.seq_id
@@ -103,8 +104,8 @@ class Accounting:
                 events += self._advance_beams(search)
         return events
 
-    def _take_steady(self, plan: StepPlan, sampled: dict[int, SampledToken | int], started_us: int,
-                     finished_us: int, events: list[tuple[Sequence, TokenEvent]]) -> None:
+    def _take_steady(self, plan: StepPlan, sampled: dict[int, SampledToken | int], tokens: list[int] | None,
+                     started_us: int, finished_us: int, events: list[tuple[Sequence, TokenEvent]]) -> None:
         """The steady decodes' tokens (steady.py): each a plain one (nothing asked
         but the id), appended with its statistics, given to its sink or delivered,
         as postprocess takes any sampled token; but none reaches max_tokens, a
@@ -115,19 +116,22 @@ class Accounting:
         (steady.py), so all share one queue wait and latency."""
         self._steady_answered(plan.step_id)
         steady = plan.steady
-        seqs, seq_ids = steady.seqs, steady.seq_ids
+        seqs = steady.seqs
         if steady.leaves != self._steady_leaves:
             # Some ended, or were preempted, since planning: their tokens, if any (a
             # refused sequence has none), are dropped. A preempted sequence runs again
             # only from a step planned after this one is accounted.
             running = SequenceStatus.RUNNING
-            seqs = [seq for seq in seqs if seq.status is running]
-            if not seqs:
+            kept = [i for i, seq in enumerate(seqs) if seq.status is running]
+            if not kept:
                 return
-            seq_ids = [seq.seq_id for seq in seqs]
-        tokens = list(map(sampled.__getitem__, seq_ids))
-        if len(set(map(type, tokens))) > 1 or type(tokens[0]) is not int:  # more than the id came
-            tokens = [t if type(t) is int else t.token_id for t in tokens]
+            seqs = [seqs[i] for i in kept]
+            if tokens is not None:
+                tokens = [tokens[i] for i in kept]
+        if tokens is None:  # by id
+            tokens = [sampled[seq.seq_id] for seq in seqs]
+            if len(set(map(type, tokens))) > 1 or type(tokens[0]) is not int:  # more than the id came
+                tokens = [t if type(t) is int else t.token_id for t in tokens]
         last_event_us = seqs[0].last_event_us
         for seq, token_id in zip(seqs, tokens):
             seq.output_token_ids.append(token_id)

@@ -264,7 +264,7 @@ class EngineLoop:
             self.num_steps += 1
             if answer.refused:
                 self._refused_sequences(planned_by, plan, answer)
-            events = planned_by.postprocess(plan, answer.tokens, started_us, finished_us)
+            events = planned_by.postprocess(plan, answer.tokens, started_us, finished_us, answer.steady_tokens)
             if self.metrics is not None:
                 self.metrics.on_step(plan, events, started_us, finished_us, planned_by.packed_stats)
             self._deliver(events)

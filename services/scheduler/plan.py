@@ -121,10 +121,13 @@ class SampledToken(NamedTuple):
 class StepAnswer:
     """The worker's answer to a step: the sampled tokens by seq id (a token with
     nothing but its id as that id alone), and the sequences it refused alone
-    (seq id -> why, written for the request's client)."""
+    (seq id -> why, written for the request's client). `steady_tokens`: where
+    the worker answered every steady decode of the step (StepPlan.steady) with
+    its id alone, their tokens in the columns' order (then not in `tokens`)."""
 
     tokens: dict[int, SampledToken | int]
     refused: dict[int, str] = field(default_factory=dict)
+    steady_tokens: list[int] | None = None
 
 
 class CapacityError(ValueError):

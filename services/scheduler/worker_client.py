@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+from collections import deque
 
 import grpc
 from grpc_health.v1 import health_pb2
@@ -80,6 +81,7 @@ class WorkerClient:
         self._channel = channel(address, tls)  # Describe, health polls, and steps without a step channel
         self._stub = worker_pb2_grpc.WorkerServiceStub(self._channel)
         self._steps: grpc.aio.StreamStreamCall | _StepChannel | None = None
+        self._steady_sent: deque[list[int]] = deque()  # each step's steady decodes, of the steps sent and not received
         self._step_port = 0  # the worker's step channel, as its last Describe said (0: none)
 
     async def health(self) -> WorkerHealth:
@@ -136,6 +138,7 @@ class WorkerClient:
                 self._steps = await self._open_steps()
             request = worker_pb2.StepStreamRequest()
             step_request(plan, request.step)  # built in place: no copy of every sequence into the wrapper
+            self._steady_sent.append(plan.steady.seq_ids)
             await self._steps.write(request)
         except grpc.aio.AioRpcError as exc:
             raise self._lost(exc) from exc
@@ -153,15 +156,14 @@ class WorkerClient:
             raise self._lost(None)
         if reply.HasField("error"):  # the step failed: the stream waits for us to end it
             raise self._failed(STATUS_CODES.get(reply.error.code, grpc.StatusCode.UNKNOWN), reply.error.message)
-        step = reply.step
-        refused = {r.seq_id: r.message for r in step.refused} if step.refused else {}
-        return StepAnswer(sampled_tokens(step), refused)
+        return step_answer(reply.step, self._steady_sent.popleft())
 
     def reset(self) -> None:
         """Drop the step stream (steps sent and not received are lost); the next send opens one."""
         if self._steps is not None:
             self._steps.cancel()
             self._steps = None
+        self._steady_sent.clear()
 
     def _lost(self, exc: BaseException | None) -> WorkerError:
         """The step stream has ended: why, as the engine acts on it."""
@@ -191,6 +193,10 @@ def step_request(plan: StepPlan, into: worker_pb2.StepRequest | None = None) -> 
     step = worker_pb2.StepRequest() if into is None else into
     step.step_id = plan.step_id
     step.pack_plain_tokens = True
+    steady = plan.steady
+    if steady.seq_ids:  # the steady decodes, first (see step_answer): columns already
+        step.decode_seq_ids.extend(steady.seq_ids)
+        step.decode_new_blocks.extend(steady.new_blocks)
     add = step.sequences.add
     decode_seq_ids, decode_new_blocks = [], []
     for entry in plan.scheduled:
@@ -200,10 +206,6 @@ def step_request(plan: StepPlan, into: worker_pb2.StepRequest | None = None) -> 
         else:
             decode_seq_ids.append(entry.seq.seq_id)
             decode_new_blocks.append(new_block)
-    steady = plan.steady
-    if steady.seq_ids:  # the steady decodes: columns already
-        decode_seq_ids += steady.seq_ids
-        decode_new_blocks += steady.new_blocks
     if decode_seq_ids:
         step.decode_seq_ids.extend(decode_seq_ids)
         step.decode_new_blocks.extend(decode_new_blocks)
@@ -254,9 +256,27 @@ def _sequence_step(entry: ScheduledSequence, add) -> worker_pb2.SequenceStep:
     return step
 
 
-def sampled_tokens(reply: worker_pb2.StepResponse) -> dict[int, SampledToken | int]:
-    """A Step reply's tokens by seq id: a plain one (packed columns) as its id alone."""
-    tokens: dict[int, SampledToken | int] = dict(zip(reply.plain_seq_ids, reply.plain_token_ids))
+def step_answer(reply: worker_pb2.StepResponse, steady_ids: list[int]) -> StepAnswer:
+    """A Step reply as the engine takes it. The step's steady decodes
+    (`steady_ids`) are the first of its decodes, and plain tokens come in
+    request order: where they lead the plain columns, their tokens are taken
+    as they are (StepAnswer.steady_tokens), not by id."""
+    num_steady, plain_ids, steady_tokens = len(steady_ids), reply.plain_seq_ids, None
+    if num_steady and len(plain_ids) >= num_steady and plain_ids[:num_steady] == steady_ids:
+        steady_tokens = reply.plain_token_ids[:num_steady]
+    else:
+        num_steady = 0
+    refused = {r.seq_id: r.message for r in reply.refused} if reply.refused else {}
+    return StepAnswer(sampled_tokens(reply, num_steady), refused, steady_tokens)
+
+
+def sampled_tokens(reply: worker_pb2.StepResponse, skip: int = 0) -> dict[int, SampledToken | int]:
+    """A Step reply's tokens by seq id, a plain one (packed columns) as its id
+    alone; without the first `skip` plain ones."""
+    plain_ids, plain_tokens = reply.plain_seq_ids, reply.plain_token_ids
+    tokens: dict[int, SampledToken | int] = {}
+    if len(plain_ids) > skip:
+        tokens = dict(zip(plain_ids[skip:], plain_tokens[skip:])) if skip else dict(zip(plain_ids, plain_tokens))
     for t in reply.tokens:
         top, drafts = t.top_logprobs, t.draft_token_ids
         tokens[t.seq_id] = SampledToken(

@@ -78,6 +78,34 @@ def test_a_worker_asked_to_pack_answers_the_bare_tokens_in_columns():
     assert sampled_tokens(plain) == {1: SampledToken(1, 5), 5: SampledToken(5, 0), **entries}
 
 
+def test_steady_decodes_lead_the_step_and_their_tokens_are_read_in_order_where_they_lead_the_reply():
+    """The steady decodes go first among the decodes; a reply whose plain
+    columns begin with them (request order) gives their tokens as they are,
+    and any other reply (one refused or answered with more than its id) by id."""
+    from services.scheduler.plan import SteadyDecodes
+    from services.scheduler.worker_client import step_answer
+
+    ahead, prefill, steady = make_seq(1), make_seq(2), [make_seq(3), make_seq(4)]
+    plan = StepPlan(5, [ScheduledSequence(ahead, 5, 1, is_sampling=True, extends_table=-1),
+                        ScheduledSequence(prefill, 0, 5, is_sampling=True, sends_sampling=True)],
+                    steady=SteadyDecodes(steady, [3, 4], [-1, 9]))
+    message = step_request(plan)
+    assert list(message.decode_seq_ids) == [3, 4, 1] and list(message.decode_new_blocks) == [-1, 9, -1]
+    assert [s.seq_id for s in message.sequences] == [2]
+    in_order = worker_pb2.StepResponse(plain_seq_ids=[3, 4, 1, 2], plain_token_ids=[30, 40, 10, 20])
+    answer = step_answer(in_order, [3, 4])
+    assert answer.steady_tokens == [30, 40] and answer.tokens == {1: 10, 2: 20}
+    assert step_answer(in_order, []).tokens == {3: 30, 4: 40, 1: 10, 2: 20}
+    refused = worker_pb2.StepResponse(plain_seq_ids=[4, 1, 2], plain_token_ids=[40, 10, 20],
+                                      refused=[worker_pb2.SequenceRefusal(seq_id=3, message="no")])
+    answer = step_answer(refused, [3, 4])
+    assert answer.steady_tokens is None and answer.tokens == {4: 40, 1: 10, 2: 20} and answer.refused == {3: "no"}
+    entry = worker_pb2.StepResponse(plain_seq_ids=[4], plain_token_ids=[40],
+                                    tokens=[worker_pb2.SampledToken(seq_id=3, token_id=30, logprob=-1.0)])
+    answer = step_answer(entry, [3, 4])
+    assert answer.steady_tokens is None and answer.tokens == {3: SampledToken(3, 30, -1.0), 4: 40}
+
+
 def test_a_decode_goes_as_its_id_on_the_workers_table_until_the_table_is_a_new_list():
     from tests.unit.scheduler.test_policy import FakeWorker, make_policy
 
@@ -313,7 +341,9 @@ def test_steady_decodes_preempted_under_a_tiny_pool_come_back_with_the_same_text
 
     from tests.unit.scheduler.test_policy import FakeWorker, make_policy
 
-    def run(num_blocks: int):
+    def run(num_blocks: int, in_order: bool = False):
+        """`in_order`: the steady decodes' tokens are given in their order, as
+        the worker client reads them where they lead the reply, not by id."""
         policy = make_policy(num_blocks=num_blocks)
         worker = FakeWorker(policy=policy)  # it fails a write into a block another sequence holds
         seqs = [make_seq(i, prompt_len=20 + i, max_tokens=40, ignore_eos=True) for i in range(1, 5)]
@@ -322,12 +352,15 @@ def test_steady_decodes_preempted_under_a_tiny_pool_come_back_with_the_same_text
         sent: deque = deque()
         while True:
             if len(sent) < 2 and (plan := policy.schedule()) is not None:
-                sent.append((plan, worker.step(plan)))
+                sampled = worker.step(plan)
+                steady_tokens = [sampled.pop(i) for i in plan.steady.seq_ids] if in_order else None
+                sent.append((plan, sampled, steady_tokens))
                 if len(sent) < 2:
                     continue
             if not sent:
                 break
-            policy.postprocess(*sent.popleft(), 0, 0)
+            plan, sampled, steady_tokens = sent.popleft()
+            policy.postprocess(plan, sampled, 0, 0, steady_tokens)
         assert all(s.is_finished for s in seqs) and policy.blocks.num_free_blocks == num_blocks
         return [s.output_token_ids for s in seqs], policy
 
@@ -336,6 +369,8 @@ def test_steady_decodes_preempted_under_a_tiny_pool_come_back_with_the_same_text
     assert roomy.num_preemptions == 0 and tiny.num_preemptions > 4
     assert tiny._steady_leaves > 0  # members left only by preemption: none ends as a steady decode here
     assert outputs == expected
+    outputs, tiny = run(24, in_order=True)  # members preempted after planning: their tokens dropped by place
+    assert tiny.num_preemptions > 4 and outputs == expected
 
 
 def test_a_steady_member_the_worker_refused_is_dropped_from_the_step_planned_before_the_refusal():

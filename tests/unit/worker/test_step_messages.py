@@ -17,7 +17,7 @@ from services.scheduler.convert import to_sequences
 from services.scheduler.plan import WorkerCapacity
 from services.scheduler.policy import BatchPolicy
 from services.scheduler.speculation import SpeculationConfig, Speculator
-from services.scheduler.worker_client import sampled_tokens, step_request
+from services.scheduler.worker_client import step_answer, step_request
 from services.worker.convert import describe_to_proto, step_from_proto, step_to_proto
 from services.worker.model_runner import ModelRunner
 from services.worker.platforms import select_platform
@@ -54,7 +54,7 @@ def test_pipelined_decodes_on_the_workers_tables_give_greedy_text(small_blocks_r
         policy.add_group(group)
         seqs += group
     sent: deque = deque()  # (plan, answer), the worker having run the steps in the order sent
-    decodes = new_blocks = steady = 0
+    decodes = new_blocks = steady = in_order = 0
     while True:
         if len(sent) < 2 and (plan := policy.schedule()) is not None:
             message = step_request(plan)
@@ -63,14 +63,19 @@ def test_pipelined_decodes_on_the_workers_tables_give_greedy_text(small_blocks_r
             steady += len(plan.steady.seqs)
             reply = step_to_proto(message.step_id, runner.step(*step_from_proto(message)), pack_plain=True)
             assert not reply.refused
-            sent.append((plan, sampled_tokens(reply)))
+            answer = step_answer(reply, plan.steady.seq_ids)
+            if plan.steady.seqs:  # the worker answered the steady decodes first, in order
+                assert answer.steady_tokens is not None and not answer.tokens.keys() & set(plan.steady.seq_ids)
+                in_order += 1
+            sent.append((plan, answer))
             if len(sent) < 2:
                 continue
         if not sent:
             break
         plan, answer = sent.popleft()
-        policy.postprocess(plan, answer, 0, 0)
+        policy.postprocess(plan, answer.tokens, 0, 0, answer.steady_tokens)
     assert decodes > 10 and new_blocks > 3  # most decodes went as ids, tables grew by them
+    assert in_order > 5 if speculation == "off" else in_order == 0
     assert steady > 50 if speculation == "off" else steady == 0
     assert policy.num_free_blocks == capacity.num_kv_blocks
     for seq, prompt in zip(seqs, PROMPTS):

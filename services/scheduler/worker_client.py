@@ -258,11 +258,14 @@ def _sequence_step(entry: ScheduledSequence, add) -> worker_pb2.SequenceStep:
 
 def step_answer(reply: worker_pb2.StepResponse, steady_ids: list[int]) -> StepAnswer:
     """A Step reply as the engine takes it. The step's steady decodes
-    (`steady_ids`) are the first of its decodes, and plain tokens come in
-    request order: where they lead the plain columns, their tokens are taken
-    as they are (StepAnswer.steady_tokens), not by id."""
+    (`steady_ids`) are the first of its decodes, and a worker answers plain
+    tokens in request order: where every steady decode's token is plain, the
+    first plain tokens are theirs, taken as they are (StepAnswer.steady_tokens),
+    not by id. That holds when the reply refused nothing and has no token
+    entries; else their ids are compared."""
     num_steady, plain_ids, steady_tokens = len(steady_ids), reply.plain_seq_ids, None
-    if num_steady and len(plain_ids) >= num_steady and plain_ids[:num_steady] == steady_ids:
+    if num_steady and len(plain_ids) >= num_steady and (
+            not (reply.refused or reply.tokens) or plain_ids[:num_steady] == steady_ids):
         steady_tokens = reply.plain_token_ids[:num_steady]
     else:
         num_steady = 0

@@ -100,6 +100,10 @@ def test_steady_decodes_lead_the_step_and_their_tokens_are_read_in_order_where_t
                                       refused=[worker_pb2.SequenceRefusal(seq_id=3, message="no")])
     answer = step_answer(refused, [3, 4])
     assert answer.steady_tokens is None and answer.tokens == {4: 40, 1: 10, 2: 20} and answer.refused == {3: "no"}
+    other_refused = worker_pb2.StepResponse(plain_seq_ids=[3, 4, 2], plain_token_ids=[30, 40, 20],
+                                            refused=[worker_pb2.SequenceRefusal(seq_id=1, message="no")])
+    answer = step_answer(other_refused, [3, 4])
+    assert answer.steady_tokens == [30, 40] and answer.tokens == {2: 20} and answer.refused == {1: "no"}
     entry = worker_pb2.StepResponse(plain_seq_ids=[4], plain_token_ids=[40],
                                     tokens=[worker_pb2.SampledToken(seq_id=3, token_id=30, logprob=-1.0)])
     answer = step_answer(entry, [3, 4])

@@ -17,7 +17,7 @@ from services.scheduler.convert import to_sequences
 from services.scheduler.plan import WorkerCapacity
 from services.scheduler.policy import BatchPolicy
 from services.scheduler.speculation import SpeculationConfig, Speculator
-from services.scheduler.worker_client import step_answer, step_request
+from services.scheduler.worker_client import sampled_tokens, step_answer, step_request
 from services.worker.convert import describe_to_proto, step_from_proto, step_to_proto
 from services.worker.model_runner import ModelRunner
 from services.worker.platforms import select_platform
@@ -65,7 +65,9 @@ def test_pipelined_decodes_on_the_workers_tables_give_greedy_text(small_blocks_r
             assert not reply.refused
             answer = step_answer(reply, plan.steady.seq_ids)
             if plan.steady.seqs:  # the worker answered the steady decodes first, in order
-                assert answer.steady_tokens is not None and not answer.tokens.keys() & set(plan.steady.seq_ids)
+                by_id = sampled_tokens(reply)
+                assert answer.steady_tokens == [by_id[i] for i in plan.steady.seq_ids]
+                assert not answer.tokens.keys() & set(plan.steady.seq_ids)
                 in_order += 1
             sent.append((plan, answer))
             if len(sent) < 2:

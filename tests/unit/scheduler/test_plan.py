@@ -406,3 +406,43 @@ def test_a_steady_member_the_worker_refused_is_dropped_from_the_step_planned_bef
         pending += [p for p in [policy.schedule()] if p is not None]
         policy.postprocess(plan, answer, 0, 0)
     assert seqs[0].is_finished and len(seqs[0].output_token_ids) == 8 and seqs[1].output_token_ids == []
+
+
+def test_every_token_counts_its_latency_from_its_sequences_last_token_whether_steady_or_not():
+    """Pipelined as the engine runs, each step answered at its own time, with
+    sequences of several lengths in a small pool: members join, leave for their
+    last token (planned as any), are preempted and come back. Every delivered
+    token's queue wait and latency are from its own sequence's token before
+    (or its arrival), and each ends with its last token's time, as accounting
+    them one by one gives."""
+    from collections import deque
+
+    from tests.unit.scheduler.test_policy import FakeWorker, make_policy
+
+    policy = make_policy(num_blocks=20)
+    worker = FakeWorker(policy=policy)
+    seqs = [make_seq(i, prompt_len=3 + i, max_tokens=6 + 5 * i, ignore_eos=True, arrival_us=0) for i in range(1, 7)]
+    for seq in seqs:
+        policy.add(seq)
+    sent: deque = deque()
+    times = {}  # step id -> (started, finished)
+    last = {seq.seq_id: 0 for seq in seqs}  # when each one's last token was answered
+    steady_tokens = preempted = 0
+    for step in range(1, 1000):
+        if len(sent) < 2 and (plan := policy.schedule()) is not None:
+            sent.append((plan, worker.step(plan)))
+            if len(sent) < 2:
+                continue
+        if not sent:
+            break
+        plan, sampled = sent.popleft()
+        started, finished = step * 10_000 + 3 * plan.step_id, step * 10_000 + 7_000
+        steady_tokens += len(plan.steady.seqs)
+        before = policy.num_preemptions
+        for seq, event in policy.postprocess(plan, sampled, started, finished):
+            previous = last[seq.seq_id]
+            assert (event.queue_wait_us, event.latency_ms) == (started - previous, (finished - previous) / 1000)
+            last[seq.seq_id] = finished
+        preempted += policy.num_preemptions - before
+    assert all(s.is_finished for s in seqs) and steady_tokens > 50 and policy.num_preemptions > 0
+    assert {seq.seq_id: seq.last_event_us for seq in seqs} == last

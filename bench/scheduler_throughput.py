@@ -85,19 +85,21 @@ class SimulatedWorkers:
         self.description = worker_pb2.DescribeResponse(
             model_path="simulated", vocab_size=VOCAB_SIZE, eos_token_ids=[EOS_TOKEN_ID],
             max_position_embeddings=1 << 20, device="cpu", dtype="bfloat16", num_kv_blocks=num_kv_blocks,
-            block_size=block_size, max_batch_size=max_batch_size, holds_block_tables=True)
+            block_size=block_size, max_batch_size=max_batch_size, holds_block_tables=True, max_decode_steps=64)
         self.num_workers = num_workers
         self.num_steps = 0
         self.num_tokens = 0
-        self._answers: dict[tuple[bool, tuple[int, ...]], bytes] = {}  # (packed, sampling seq ids) -> the tokens' bytes
+        self._answers: dict[tuple[bool, tuple[int, ...]], bytes] = {}  # (packed, sampled seq ids) -> the tokens' bytes
         self.server: grpc.aio.Server | None = None  # made on the running loop, by start
         self.steps: asyncio.Server | None = None
         self.addresses: list[str] = []
 
     def answer(self, raw: bytes) -> bytes:
-        """The StepStreamResponse to a StepStreamRequest, both serialized."""
+        """The StepStreamResponse to a StepStreamRequest, both serialized: with
+        decode_steps, the decodes by id sample again in each step after the first."""
         step = worker_pb2.StepStreamRequest.FromString(raw).step
-        sampling = tuple(step.decode_seq_ids) + tuple(s.seq_id for s in step.sequences if s.sample)
+        decodes = tuple(step.decode_seq_ids)
+        sampling = decodes + tuple(s.seq_id for s in step.sequences if s.sample) + decodes * (step.decode_steps - 1)
         key = (step.pack_plain_tokens, sampling)
         tokens = self._answers.get(key)
         if tokens is None:
@@ -111,7 +113,7 @@ class SimulatedWorkers:
             tokens = self._answers[key] = answer.SerializeToString()
         # Serialized messages concatenate as a merge: step_id first, then the tokens.
         body = worker_pb2.StepResponse(step_id=step.step_id).SerializeToString() + tokens
-        self.num_steps += 1
+        self.num_steps += max(1, step.decode_steps)
         self.num_tokens += len(sampling)
         return b"\x0a" + _varint(len(body)) + body
 
@@ -227,7 +229,8 @@ class Point:
     num_sequences: int  # per worker
 
 
-def scheduler_env(tree: Path, port: int, addresses: list[str], point: Point, args) -> dict[str, str]:
+def scheduler_env(tree: Path, port: int, addresses: list[str], point: Point, args,
+                  decode_steps: int = 1) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("STORMSERVE_", "OTEL_"))}
     gen = tree / "gen" if (tree / "gen").is_dir() else ROOT / "gen"
     env.update({
@@ -243,6 +246,8 @@ def scheduler_env(tree: Path, port: int, addresses: list[str], point: Point, arg
         "STORMSERVE_DRAIN_TIMEOUT_S": "2",
         "STORMSERVE_LOG_LEVEL": "WARNING",
     })
+    if decode_steps > 1:  # a tree from before has no such setting
+        env["STORMSERVE_MAX_DECODE_STEPS"] = str(decode_steps)
     return env
 
 
@@ -280,14 +285,14 @@ async def wait_for(predicate, timeout_s: float, what: str, process: subprocess.P
         await asyncio.sleep(0.05)
 
 
-async def run_point(point: Point, args, tree: Path = ROOT, profile: str | None = None) -> dict:
+async def run_point(point: Point, args, tree: Path = ROOT, profile: str | None = None, decode_steps: int = 1) -> dict:
     blocks_per_seq = -(-(args.prompt_len + args.max_tokens) // args.block_size)
     workers = SimulatedWorkers(point.num_workers, args.block_size,
                                num_kv_blocks=point.num_sequences * blocks_per_seq + 16,
                                max_batch_size=point.num_sequences)
     await workers.start()
     port = free_port()
-    env = scheduler_env(tree, port, workers.addresses, point, args)
+    env = scheduler_env(tree, port, workers.addresses, point, args, decode_steps)
     metrics_port = int(env["STORMSERVE_METRICS_PORT"])
     process = start_scheduler(tree, env, profile)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
@@ -433,25 +438,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="run the scheduler with its /metrics off (on by default, as deployed)")
     p.add_argument("--tree", type=parse_tree, action="append", default=[],
                    help="NAME=PATH: run the scheduler from this checkout (several: A/B, alternating order)")
+    p.add_argument("--decode-steps", type=int, nargs="+", default=[1],
+                   help="the scheduler's max_decode_steps (several: each tree with each, named TREE kN)")
     p.add_argument("--rounds", type=int, default=1, help="rounds over the trees (A/B)")
     p.add_argument("--profile", help="write the scheduler's cProfile stats here (one tree, one point)")
     p.add_argument("--out", help="also write the JSON lines here")
     return p.parse_args(argv)
 
 
-async def run(args: argparse.Namespace) -> list[dict]:
+def variants(args: argparse.Namespace) -> list[tuple[str, Path, int]]:
+    """(name, tree, max_decode_steps) of each scheduler to run at every point."""
     trees = args.tree or [("this", ROOT)]
+    several = len(args.decode_steps) > 1
+    return [(f"{name} k{steps}" if several else name, path, steps) for name, path in trees for steps in args.decode_steps]
+
+
+async def run(args: argparse.Namespace) -> list[dict]:
+    schedulers = variants(args)
     points = [Point(w, s) for w in args.workers for s in args.sequences]
-    if args.profile and (len(points) > 1 or len(trees) > 1):
+    if args.profile and (len(points) > 1 or len(schedulers) > 1):
         raise SystemExit("--profile takes one point and one tree")
     rows = []
     for round_index in range(args.rounds):
         for point in points:
-            order = trees if round_index % 2 == 0 else trees[::-1]
-            for name, path in order:
+            order = schedulers if round_index % 2 == 0 else schedulers[::-1]
+            for name, path, decode_steps in order:
                 row = {"tree": name, "round": round_index}
                 try:
-                    row.update(await run_point(point, args, path, args.profile))
+                    row.update(await run_point(point, args, path, args.profile, decode_steps))
                 except (TimeoutError, RuntimeError) as exc:  # reported; the other points still run
                     row.update(workers=point.num_workers, sequences_per_worker=point.num_sequences, error=str(exc))
                 print(json.dumps(row), flush=True)
@@ -468,7 +482,7 @@ def main(argv: list[str] | None = None) -> None:
     print(table(rows))
     if len({r["tree"] for r in rows}) > 1:
         print()
-        print(ab_summary(rows, [name for name, _ in (args.tree or [])]))
+        print(ab_summary(rows, [name for name, _, _ in variants(args)]))
 
 
 if __name__ == "__main__":

@@ -48,7 +48,7 @@ async def main() -> None:
 
     def make_engine(address: str) -> EngineLoop:
         engine = EngineLoop(WorkerClient(address, tls), config.max_batch_size, config.max_prefill_tokens,
-                            config.speculation, slices)
+                            config.speculation, slices, config.max_decode_steps)
         if metrics is not None:
             engine.metrics = metrics.engine()  # its `engine` label, from the workers in the router now
         return engine

@@ -5,6 +5,7 @@ sequences that stop or reach max_tokens finished."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from itertools import chain
 
 from services.scheduler.beam import BeamSearch
 from services.scheduler.block_manager import BlockManager
@@ -40,7 +41,7 @@ class Accounting:
         one-choice request) is not among them, but counted in `packed_stats`."""
         events: list[tuple[Sequence, TokenEvent]] = []
         searches: list[BeamSearch] = []  # beam searches whose every beam has offered
-        self._steady_clock += 1  # every steady member's output grows by one here (steady.py)
+        self._steady_clock += plan.steady.steps  # every steady member's output grows by as much here (steady.py)
         self._outstanding.pop(plan.step_id, None)
         planned, batch_size, block_size = self._planned, plan.batch_size, self.blocks.block_size
         finished = SequenceStatus.FINISHED
@@ -113,10 +114,12 @@ class Accounting:
         the stop ids are looked for once (`_steady_stops`), and the tokens of
         the members whose requests are packed on one stream go to it at once
         (`_steady_lanes`). Every member's last token came from the step before
-        (steady.py), so all share one queue wait and latency."""
+        (steady.py), so all share one queue wait and latency; a message of
+        several steps (`tokens` step after step) shares them evenly among its
+        tokens, and a member's tokens after its stop token are dropped."""
         self._steady_answered(plan.step_id)
         steady = plan.steady
-        seqs = steady.seqs
+        seqs, steps = steady.seqs, steady.steps
         if steady.leaves != self._steady_leaves:
             # Some ended, or were preempted, since planning: their tokens, if any (a
             # refused sequence has none), are dropped. A preempted sequence runs again
@@ -125,37 +128,59 @@ class Accounting:
             kept = [i for i, seq in enumerate(seqs) if seq.status is running]
             if not kept:
                 return
-            seqs = [seqs[i] for i in kept]
             if tokens is not None:
-                tokens = [tokens[i] for i in kept]
-        if tokens is None:  # by id
+                n = len(seqs)
+                tokens = [tokens[step * n + i] for step in range(steps) for i in kept]
+            seqs = [seqs[i] for i in kept]
+        if tokens is None:  # by id (one step: see step_answer)
             tokens = [sampled[seq.seq_id] for seq in seqs]
             if len(set(map(type, tokens))) > 1 or type(tokens[0]) is not int:  # more than the id came
                 tokens = [t if type(t) is int else t.token_id for t in tokens]
+        n = len(seqs)
         last_event_us = seqs[0].last_event_us
-        for seq, token_id in zip(seqs, tokens):
-            seq.output_token_ids.append(token_id)
-            seq.num_computed_tokens += 1
-            seq.last_event_us = finished_us
-        shared = (plan.batch_size, started_us - last_event_us if started_us > last_event_us else 0,
-                  (finished_us - last_event_us if finished_us > last_event_us else 0) / 1000.0)
+        if steps == 1:
+            per_seq = tokens
+            for seq, token_id in zip(seqs, tokens):
+                seq.output_token_ids.append(token_id)
+                seq.num_computed_tokens += 1
+                seq.last_event_us = finished_us
+        else:
+            per_seq = [tokens[i::n] for i in range(n)]
+            for seq, taken in zip(seqs, per_seq):
+                seq.output_token_ids += taken
+                seq.num_computed_tokens += steps
+                seq.last_event_us = finished_us
+        shared = (plan.batch_size, (started_us - last_event_us if started_us > last_event_us else 0) // steps,
+                  (finished_us - last_event_us if finished_us > last_event_us else 0) / 1000.0 / steps)
         stops = self._steady_stops.intersection(tokens) if self._steady_stops else ()
-        num_packed, rest = 0, range(len(seqs))
-        if not stops:  # else each member's token is taken alone, its own stop ids looked at
+        num_packed, rest = 0, range(n)
+        if not stops:  # else each member's tokens are taken alone, its own stop ids looked at
             lanes, rest = self._steady_lanes(seqs)
             for entries, call_ids, take, members in lanes:
-                if entries.add_many(call_ids, take(tokens), shared):
-                    num_packed += len(call_ids)
+                if steps == 1:
+                    added = entries.add_many(call_ids, take(tokens), shared)
+                else:  # a step's tokens after the other's
+                    added = entries.add_many(call_ids * steps, chain.from_iterable(
+                        take(tokens[step * n:(step + 1) * n]) for step in range(steps)), shared)
+                if added:
+                    num_packed += len(call_ids) * steps
                 else:  # one of those calls has an event in the stream's message: each goes alone
                     rest = sorted(rest + members)
         for i in rest:
-            seq, token_id = seqs[i], tokens[i]
-            if token_id in stops and token_id in seq.stop_ids:
-                self._check_finished(seq, token_id)
-            elif (sink := seq.sink) is not None and sink(token_id, shared):
-                num_packed += 1
-                continue
-            events.append((seq, TokenEvent(token_id, *shared)))
+            seq = seqs[i]
+            sink, taken = seq.sink, (per_seq[i],) if steps == 1 else per_seq[i]
+            for k, token_id in enumerate(taken):
+                if token_id in stops and token_id in seq.stop_ids:
+                    if k + 1 < len(taken):  # the worker went on past it in vain
+                        del seq.output_token_ids[k + 1 - len(taken):]
+                    self._check_finished(seq, token_id)
+                    events.append((seq, TokenEvent(token_id, *shared)))
+                    break
+                if sink is not None and sink(token_id, shared):
+                    num_packed += 1
+                    continue
+                events.append((seq, TokenEvent(token_id, *shared)))
+                sink = None  # its later tokens follow this one in the same way
         if num_packed:
             self.packed_stats[shared] = self.packed_stats.get(shared, 0) + num_packed
 

@@ -34,6 +34,10 @@ class SchedulerConfig(InternalTlsSettings):
         1024, "most prompt tokens prefilled in one step (the reference defaults to 8192; see docs: configuration)",
         alias="maxPrefillTokens",
     )
+    max_decode_steps: int = setting(
+        1, "most decode steps one message to a worker runs when every running sequence decodes and none waits "
+        "(planned and accounted at once: several keep one scheduler up with many fast workers, and a new request "
+        "waits for up to twice as many steps; at most a KV block, and what the worker offers)")
     max_seq_len: int = setting(2560, "prompt + output cap in tokens", alias="maxSeqLen")
     max_iter_times: int = setting(512, "default and upper cap of max_tokens", alias="maxIterTimes")
     max_queue_size: int = setting(4096, "most requests waiting before new ones are refused")
@@ -64,6 +68,7 @@ class SchedulerConfig(InternalTlsSettings):
             require(bool(self.worker_service), "worker_discovery=endpointslices needs worker_service")
         require(1 <= self.max_batch_size <= 819200, "maxBatchSize must be in [1, 819200]")
         require(1 <= self.max_prefill_tokens <= 4194304, "maxPrefillTokens must be in [1, 4194304]")
+        require(1 <= self.max_decode_steps <= 64, f"max_decode_steps must be in [1, 64], got {self.max_decode_steps}")
         require(self.max_seq_len >= 2, "maxSeqLen must be >= 2")
         require(self.max_iter_times >= 1, "maxIterTimes must be >= 1")
         require(self.max_queue_size >= 1, "max_queue_size must be >= 1")

@@ -101,11 +101,13 @@ Deliver = Callable[[list[StreamItem]], None]
 
 class EngineLoop:
     def __init__(self, worker: WorkerClient, max_batch_size: int, max_prefill_tokens: int,
-                 speculation: SpeculationConfig = SpeculationConfig(), slices: LoopSlices | None = None):
+                 speculation: SpeculationConfig = SpeculationConfig(), slices: LoopSlices | None = None,
+                 max_decode_steps: int = 1):
         self.worker = worker
         self.slices = slices or LoopSlices()  # one for all of a process's engines
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
+        self.max_decode_steps = max_decode_steps
         # Outlives policies: its counts are the metrics', its global suffix counts stay useful.
         self.speculator = Speculator(speculation)
         self.policy: BatchPolicy | None = None
@@ -234,8 +236,9 @@ class EngineLoop:
             if len(sent) < 2:
                 planning_ns = time.perf_counter_ns()
                 plan = policy.schedule()
-                if plan is not None and self.metrics is not None:
-                    self.metrics.step_planning.observe((time.perf_counter_ns() - planning_ns) * 1e-9)
+                if plan is not None and self.metrics is not None:  # per step, of the plan's steps
+                    steps = plan.steady.steps
+                    self.metrics.step_planning.observe((time.perf_counter_ns() - planning_ns) * 1e-9 / steps, steps)
             if plan is not None:
                 try:
                     await self.worker.send(plan)
@@ -261,7 +264,7 @@ class EngineLoop:
             finished_us = now_us()
             # Queued behind the step before it, it started when that one was done.
             started_us, last_answer_us = max(sent_us, last_answer_us), finished_us
-            self.num_steps += 1
+            self.num_steps += plan.steady.steps
             if answer.refused:
                 self._refused_sequences(planned_by, plan, answer)
             events = planned_by.postprocess(plan, answer.tokens, started_us, finished_us, answer.steady_tokens)
@@ -396,5 +399,6 @@ class EngineLoop:
 
     def _new_policy(self, capacity: WorkerCapacity) -> None:
         self._retired_counts = self.cache_counts()
-        self.policy = BatchPolicy(capacity, self.max_batch_size, self.max_prefill_tokens, self.speculator)
+        self.policy = BatchPolicy(capacity, self.max_batch_size, self.max_prefill_tokens, self.speculator,
+                                  self.max_decode_steps)
         self._wakeup.set()

@@ -126,6 +126,10 @@ class SchedulerMetrics:
             "stormserve:step_duration_seconds",
             "Engine step time on the worker, by kind: prefill (prompt chunks only), decode (one token per "
             "sequence only) or mixed.", STEP_DURATION_BUCKETS, ("kind",))
+        self.step_messages = counter(
+            "stormserve:step_messages",
+            "Messages sent to workers, each one engine step or several (max_decode_steps); against the count of "
+            "step_duration_seconds, the steps a message runs.")
         self.step_planning = histogram(
             "stormserve:step_planning_seconds",
             "Scheduler CPU time planning one step (the batching policy's decision, before its message is built).",
@@ -171,6 +175,8 @@ class EngineMetrics:
         self.prompt_tokens = metrics.prompt_tokens.labels(*values)
         self.generation_tokens = metrics.generation_tokens.labels(*values)
         self._num_generated = 0  # tokens counted since the last flush
+        self.step_messages = metrics.step_messages.labels(*values)
+        self._num_messages = 0  # messages answered since the last flush
         self.success = {r: metrics.request_success.labels(*values, r) for r in FINISHED_REASONS}
         self.request_prompt_tokens = metrics.request_prompt_tokens.labels(*values)
         self.request_generation_tokens = metrics.request_generation_tokens.labels(*values)
@@ -197,6 +203,9 @@ class EngineMetrics:
         if self._num_generated:
             self.generation_tokens.inc(self._num_generated)
             self._num_generated = 0
+        if self._num_messages:
+            self.step_messages.inc(self._num_messages)
+            self._num_messages = 0
 
     def on_step(self, plan: StepPlan, events: list[tuple[Sequence, TokenEvent]], started_us: int,
                 finished_us: int, packed: Mapping[tuple[int, int, float], int] = {}) -> None:
@@ -205,10 +214,11 @@ class EngineMetrics:
         queue wait µs, latency ms)."""
         decodes = plan.num_decodes
         prefills = plan.batch_size - decodes
+        steps = plan.steady.steps  # a message of several steps: each observed, sharing its time evenly
         if prefills or decodes:
             kind = "mixed" if prefills and decodes else "decode" if decodes else "prefill"
-            self.step_duration[kind].observe((finished_us - started_us) * US)
-            self.step_batch_size.observe(prefills + decodes)
+            self.step_duration[kind].observe((finished_us - started_us) * US / steps, steps)
+            self.step_batch_size.observe(prefills + decodes, steps)
         prompt = 0
         previous = None
         itl, queue_wait = self.itl, self.token_queue_wait
@@ -232,8 +242,9 @@ class EngineMetrics:
         if prompt:
             self.prompt_tokens.inc(prompt)
         self._num_generated += len(events) + num_packed
+        self._num_messages += 1
         if plan.batch_size:
-            self.iteration_tokens.observe(prompt + len(events) + num_packed)
+            self.iteration_tokens.observe((prompt + len(events) + num_packed) / steps, steps)
 
     def on_finished(self, seq: Sequence, reason: str, now_us: int) -> None:
         """Once per sequence, when its Generate call is done with it (finished, aborted or failed)."""

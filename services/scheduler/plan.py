@@ -19,6 +19,8 @@ class WorkerCapacity:
     role: str = "both"  # prefill, decode or both
     # It keeps block tables between steps: decodes may go by id (StepRequest.decode_seq_ids).
     holds_block_tables: bool = False
+    # The most steps one message may run its decodes by id (StepRequest.decode_steps).
+    max_decode_steps: int = 1
 
 
 class ScheduledSequence(NamedTuple):
@@ -72,14 +74,16 @@ class ScheduledSequence(NamedTuple):
 class SteadyDecodes(NamedTuple):
     """A step's steady decodes (see steady.py) as columns: the sequences, their
     ids and the block each one's table gains (-1: none), sent as they are
-    (StepRequest.decode_seq_ids, decode_new_blocks); and how many members had
+    (StepRequest.decode_seq_ids, decode_new_blocks); how many members had
     ended or been preempted when it was planned (if more have by the time it
-    is accounted, their tokens are looked for and dropped)."""
+    is accounted, their tokens are looked for and dropped); and how many steps
+    the message runs them (StepRequest.decode_steps: a token each per step)."""
 
     seqs: list[Sequence]
     seq_ids: list[int]
     new_blocks: list[int]
     leaves: int = 0
+    steps: int = 1
 
 
 NO_STEADY_DECODES = SteadyDecodes([], [], [])  # never changed in place
@@ -123,7 +127,8 @@ class StepAnswer:
     nothing but its id as that id alone), and the sequences it refused alone
     (seq id -> why, written for the request's client). `steady_tokens`: where
     the worker answered every steady decode of the step (StepPlan.steady) with
-    its id alone, their tokens in the columns' order (then not in `tokens`)."""
+    its id alone, their tokens in the columns' order, step after step (then
+    not in `tokens`)."""
 
     tokens: dict[int, SampledToken | int]
     refused: dict[int, str] = field(default_factory=dict)

@@ -65,7 +65,7 @@ _new_entry = tuple.__new__
 
 class BatchPolicy(Accounting, BeamSteps, TransferSteps, SteadySteps):
     def __init__(self, capacity: WorkerCapacity, max_batch_size: int, max_prefill_tokens: int,
-                 speculator: Speculator | None = None):
+                 speculator: Speculator | None = None, decode_steps: int = 1):
         self.capacity = capacity
         self.speculator = speculator or Speculator(SpeculationConfig())
         self._is_speculating = self.speculator.is_on
@@ -88,7 +88,7 @@ class BatchPolicy(Accounting, BeamSteps, TransferSteps, SteadySteps):
         self._next_step_id = 0
         self.packed_stats: dict[tuple[int, int, float], int] = {}
         self._init_transfers(capacity.role == "prefill")
-        self._init_steady()
+        self._init_steady(decode_steps)
 
     # -- admission ---------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -167,7 +167,7 @@ class BatchPolicy(Accounting, BeamSteps, TransferSteps, SteadySteps):
         May be called once while the last planned step runs (see the module doc)."""
         assert len(self._outstanding) <= 1, "plan at most one step ahead of the worker"
         batch: list[ScheduledSequence] = []
-        steady, grown = self._plan_steady()
+        steady, grown, steps = self._plan_steady()
         has_preempted, prefilling, num_decodes = self._schedule_decodes(batch, steady, grown)
         if has_preempted and steady:
             steady = still_running(steady)
@@ -211,7 +211,7 @@ class BatchPolicy(Accounting, BeamSteps, TransferSteps, SteadySteps):
                 num_decodes += 1
         step_id = self._next_step_id
         plan = StepPlan(step_id, batch, self._to_release, list(self._copies.values()), num_decodes + len(steady),
-                        self._steady_decodes(steady, grown, step_id))
+                        self._steady_decodes(steady, grown, step_id, steps))
         self._next_step_id += 1
         self._to_release, self._copies = [], {}
         self._outstanding[step_id] = plan.batch_size
@@ -321,20 +321,22 @@ class BatchPolicy(Accounting, BeamSteps, TransferSteps, SteadySteps):
         None while its next input is a token in flight that the scheduler must see first."""
         entry = self._planned.get(seq.seq_id)
         num_tokens = len(seq.prompt_token_ids) + len(seq.output_token_ids)
+        in_flight = 1  # tokens the step in flight samples for it
         if entry is not None:
             computed = entry.num_computed_tokens + entry.num_new_tokens
             if not entry.is_sampling:
                 return computed, num_tokens
-        elif seq.seq_id in self._steady_in_flight:  # a steady decode of one token, without drafts
-            computed = seq.num_computed_tokens + 1
+        elif seq.seq_id in self._steady_in_flight:  # steady decodes of a token a step, without drafts
+            in_flight = self._steady_in_flight_steps
+            computed = seq.num_computed_tokens + in_flight
         else:
             return seq.num_computed_tokens, num_tokens
         if seq.beam is not None or seq.moves or (entry is not None and entry.draft_token_ids) \
-                or len(seq.output_token_ids) + 1 >= seq.stopping.max_tokens \
+                or len(seq.output_token_ids) + in_flight >= seq.stopping.max_tokens \
                 or (seq.stopping.thinking_budget is not None and not seq.is_thinking_done) \
                 or (self._is_speculating and self.speculator.wants_draft(seq, self._num_drafting_load)):
             return None
-        return computed, num_tokens + 1  # the token in flight
+        return computed, num_tokens + in_flight  # with the tokens in flight
 
     def _schedule_entry(self, seq: Sequence, computed: int, num_new: int,
                         draft: tuple[int, ...] = ()) -> ScheduledSequence:

@@ -29,10 +29,26 @@ members packed on one tokenizer stream go to it at once (`_steady_lanes`).
 
 Invariant: every member is in every step planned while it is a member, so
 when a step is planned its members' last step is the one in flight, and each
-one's position is its accounted one plus the token in flight."""
+one's position is its accounted one plus the tokens in flight.
+
+Several steps a message (`decode_steps`, StepRequest.decode_steps): where
+every running sequence is a member and nothing waits (no request to admit,
+no sibling to fork, none moving), a message runs the members up to
+`decode_steps` steps, so planning, the message each way and the per-step
+costs of accounting are paid once for them all; a request that comes in
+meanwhile waits for the messages in flight (two at most). A message's
+tokens are accounted at once, sharing its queue wait and latency evenly;
+a member's tokens after its stop token are dropped (the worker computed
+them in vain). Planning handles a member early enough for any message:
+`steady_due` leaves room for the tokens of the message in flight and of
+the one planned (at most `decode_steps` each), a member whose table would
+fill within them gains its next block then (at most one a message: the
+steps are at most a block), and one whose max_tokens the message could
+reach leaves (and the message runs one step: the leaver is planned as any
+sequence)."""
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from operator import itemgetter
 from typing import Any
 
@@ -50,19 +66,28 @@ Lane = tuple[PackedEntries, list[int], Callable[[list[int]], Iterable[int]], lis
 class SteadySteps:
     capacity: WorkerCapacity
     blocks: BlockManager
+    running: list[Sequence]
+    waiting: Collection[Sequence]
+    num_moving: int
+    _num_fork_pending: int
     _is_speculating: bool
 
-    def _init_steady(self) -> None:
+    def _init_steady(self, decode_steps: int = 1) -> None:
         # Members, and those in the step in flight (at most one at planning: see policy.py).
         self._steady: dict[int, Sequence] = {}
         self._steady_in_flight: dict[int, Sequence] = {}
         self._steady_step_id = -1  # the step whose members _steady_in_flight holds
+        self._steady_in_flight_steps = 1  # and how many steps it runs them
         self._steady_stops: set[int] = set()  # every member's stop ids, ever: a superset of the members'
         self._steady_leaves = 0  # members ended or preempted so far (SteadyDecodes.leaves)
         # _steady_lanes' last answer, and the members and sinks it was for.
         self._lanes: tuple[list[Lane], list[int]] = ([], [])
         self._lanes_for: tuple[list[Sequence], list[Any]] = ([], [])
         self._steady_allowed = self.capacity.holds_block_tables and not self._is_speculating
+        # The most steps a message runs the members: at most a block, so that one gains one block at most.
+        self._decode_steps = max(1, min(decode_steps, self.capacity.max_decode_steps, self.blocks.block_size))
+        # What `steady_due` leaves for the tokens of the message in flight and the one planned, past the first's.
+        self._steady_margin = 2 * (self._decode_steps - 1)
         # Steps accounted so far (postprocess counts them): a member's output grows by one
         # with each while it is one. Members by the count at which they reach `steady_due`,
         # and the count up to which those have been looked at.
@@ -70,22 +95,25 @@ class SteadySteps:
         self._steady_due_at: dict[int, list[Sequence]] = {}
         self._steady_looked = 0
 
-    def _plan_steady(self) -> tuple[dict[int, Sequence], dict[int, int]]:
-        """The members this step decodes (by seq id), and the block each of those whose table grows gains."""
+    def _plan_steady(self) -> tuple[dict[int, Sequence], dict[int, int], int]:
+        """The members this step decodes (by seq id), the block each of those
+        whose table grows gains, and how many steps the message runs them."""
         steady = self._steady
         if not steady:
-            return {}, {}
+            return {}, {}, 1
         if not self._steady_in_flight:  # no step of theirs in flight: planned whole again
             steady.clear()
             self._steady_due_at.clear()
-            return {}, {}
+            return {}, {}, 1
+        steps = self._decode_steps if self._decode_steps > 1 and self._only_steady() else 1
+        in_flight = self._steady_in_flight_steps
         now, grown = dict(steady), {}
         for seq in self._steady_reaching_due():
             self.blocks.commit(seq)  # its newly full blocks, if any
             table = seq.block_table
-            total = seq.num_tokens + 1  # with the token in flight
+            total = seq.num_tokens + in_flight + steps - 1  # with the tokens in flight, through the last step
             needs_block = total > len(table) * self.blocks.block_size
-            if len(seq.output_token_ids) + 2 >= seq.stopping.max_tokens or (
+            if len(seq.output_token_ids) + in_flight + steps >= seq.stopping.max_tokens or (
                     needs_block and not self.blocks.can_grow(seq, total)):
                 del steady[seq.seq_id], now[seq.seq_id]  # planned (or held back) like any sequence
                 continue
@@ -94,7 +122,14 @@ class SteadySteps:
                 grown[seq.seq_id] = table[-1]
                 seq.num_sent_blocks = len(table)
             self._set_steady_due(seq)
-        return now, grown
+        if steps > 1 and len(now) < len(self.running):
+            steps = 1  # one left: it is planned as any sequence, in a step of one
+        return now, grown, steps
+
+    def _only_steady(self) -> bool:
+        """Every running sequence is a member, and nothing waits to join the batch."""
+        return len(self._steady) == len(self.running) and not (
+            self.waiting or self._num_fork_pending or self.num_moving)
 
     def _join_steady(self, entry: ScheduledSequence, now: dict[int, Sequence], grown: dict[int, int]) -> bool:
         """Make a decode planned ahead a steady one (in this step's `now`), if it may be."""
@@ -121,7 +156,8 @@ class SteadySteps:
         block_size, num_prompt = self.blocks.block_size, seq.num_prompt_tokens
         room = len(seq.block_table) * block_size - num_prompt
         fills = (len(seq.block_hashes) + 1) * block_size + 1 - num_prompt
-        seq.steady_due = min(room, fills, seq.stopping.max_tokens - 2)
+        margin = self._steady_margin
+        seq.steady_due = min(room - margin, fills, seq.stopping.max_tokens - 2 - margin)
         seq.steady_due_at = self._steady_clock + max(1, seq.steady_due - len(seq.output_token_ids))
         self._steady_due_at.setdefault(seq.steady_due_at, []).append(seq)
 
@@ -137,14 +173,15 @@ class SteadySteps:
         return [seq for at in range(looked + 1, clock + 1) for seq in due_at.pop(at, ())
                 if seq.steady_due_at == at and steady.get(seq.seq_id) is seq]
 
-    def _steady_decodes(self, now: dict[int, Sequence], grown: dict[int, int], step_id: int) -> SteadyDecodes:
+    def _steady_decodes(self, now: dict[int, Sequence], grown: dict[int, int], step_id: int,
+                        steps: int) -> SteadyDecodes:
         """The planned step's columns; its members are the ones in flight from now."""
         if not now:
             return NO_STEADY_DECODES
-        self._steady_in_flight, self._steady_step_id = now, step_id
+        self._steady_in_flight, self._steady_step_id, self._steady_in_flight_steps = now, step_id, steps
         seq_ids = list(now)
         return SteadyDecodes(list(now.values()), seq_ids, [grown.get(i, -1) for i in seq_ids] if grown else
-                             [-1] * len(seq_ids), self._steady_leaves)
+                             [-1] * len(seq_ids), self._steady_leaves, steps)
 
     def _leave_steady(self, seq: Sequence) -> None:
         """It finishes or is preempted (before its blocks are freed): a step in

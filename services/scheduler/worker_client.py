@@ -81,7 +81,8 @@ class WorkerClient:
         self._channel = channel(address, tls)  # Describe, health polls, and steps without a step channel
         self._stub = worker_pb2_grpc.WorkerServiceStub(self._channel)
         self._steps: grpc.aio.StreamStreamCall | _StepChannel | None = None
-        self._steady_sent: deque[list[int]] = deque()  # each step's steady decodes, of the steps sent and not received
+        # Each step's steady decodes and how many steps it runs them, of the steps sent and not received.
+        self._steady_sent: deque[tuple[list[int], int]] = deque()
         self._step_port = 0  # the worker's step channel, as its last Describe said (0: none)
 
     async def health(self) -> WorkerHealth:
@@ -99,6 +100,7 @@ class WorkerClient:
             eos_token_ids=frozenset(reply.eos_token_ids),
             role=reply.role or "both",
             holds_block_tables=reply.holds_block_tables,
+            max_decode_steps=max(1, reply.max_decode_steps),
         )
         self._step_port = reply.step_port
         return capacity, reply
@@ -138,7 +140,7 @@ class WorkerClient:
                 self._steps = await self._open_steps()
             request = worker_pb2.StepStreamRequest()
             step_request(plan, request.step)  # built in place: no copy of every sequence into the wrapper
-            self._steady_sent.append(plan.steady.seq_ids)
+            self._steady_sent.append((plan.steady.seq_ids, plan.steady.steps))
             await self._steps.write(request)
         except grpc.aio.AioRpcError as exc:
             raise self._lost(exc) from exc
@@ -156,7 +158,10 @@ class WorkerClient:
             raise self._lost(None)
         if reply.HasField("error"):  # the step failed: the stream waits for us to end it
             raise self._failed(STATUS_CODES.get(reply.error.code, grpc.StatusCode.UNKNOWN), reply.error.message)
-        return step_answer(reply.step, self._steady_sent.popleft())
+        try:
+            return step_answer(reply.step, *self._steady_sent.popleft())
+        except ValueError as exc:  # not the answer to what was asked: the stream's state is in doubt
+            raise self._failed(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from exc
 
     def reset(self) -> None:
         """Drop the step stream (steps sent and not received are lost); the next send opens one."""
@@ -197,6 +202,8 @@ def step_request(plan: StepPlan, into: worker_pb2.StepRequest | None = None) -> 
     if steady.seq_ids:  # the steady decodes, first (see step_answer): columns already
         step.decode_seq_ids.extend(steady.seq_ids)
         step.decode_new_blocks.extend(steady.new_blocks)
+        if steady.steps > 1:
+            step.decode_steps = steady.steps
     add = step.sequences.add
     decode_seq_ids, decode_new_blocks = [], []
     for entry in plan.scheduled:
@@ -256,13 +263,20 @@ def _sequence_step(entry: ScheduledSequence, add) -> worker_pb2.SequenceStep:
     return step
 
 
-def step_answer(reply: worker_pb2.StepResponse, steady_ids: list[int]) -> StepAnswer:
+def step_answer(reply: worker_pb2.StepResponse, steady_ids: list[int], steps: int = 1) -> StepAnswer:
     """A Step reply as the engine takes it. The step's steady decodes
     (`steady_ids`) are the first of its decodes, and a worker answers plain
     tokens in request order: where every steady decode's token is plain, the
     first plain tokens are theirs, taken as they are (StepAnswer.steady_tokens),
     not by id. That holds when the reply refused nothing and has no token
-    entries; else their ids are compared."""
+    entries; else their ids are compared. A message of several `steps` is of
+    steady decodes alone, each a plain token a step, step after step: anything
+    else is no answer to it (ValueError)."""
+    if steps > 1:
+        if reply.refused or reply.tokens or list(reply.plain_seq_ids) != steady_ids * steps:
+            raise ValueError(f"step {reply.step_id} of {steps} decode steps: the answer is not a plain "
+                             f"token for each of its {len(steady_ids)} decodes in each step")
+        return StepAnswer({}, {}, list(reply.plain_token_ids))
     num_steady, plain_ids, steady_tokens = len(steady_ids), reply.plain_seq_ids, None
     if num_steady and len(plain_ids) >= num_steady and (
             not (reply.refused or reply.tokens) or plain_ids[:num_steady] == steady_ids):

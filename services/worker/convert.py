@@ -12,7 +12,7 @@ from services.common.errors import ServiceError, invalid_argument
 from services.worker.guided import GrammarSpec
 from services.worker.kv_transfer import CacheRegion, PoolDescriptor
 from services.worker.model_runner import ModelDescription
-from services.worker.sequence import SamplingParams, SequenceInput, SequenceRefused, StepResult
+from services.worker.sequence import SamplingParams, SequenceInput, SequenceRefused, StepResult, decode_by_id
 from services.worker.vision import ImageInput
 from stormserve.media.v1 import media_pb2
 from stormserve.worker.v1 import worker_pb2
@@ -71,11 +71,7 @@ def step_from_proto(
     if len(request.decode_new_blocks) != len(request.decode_seq_ids):
         raise invalid_argument(f"{len(request.decode_seq_ids)} decode_seq_ids but "
                                f"{len(request.decode_new_blocks)} decode_new_blocks")
-    inputs = [
-        SequenceInput(seq_id, [], 0, True, block_table=[] if new_block < 0 else [new_block], feed_last_sampled=True,
-                      extends_table=True)
-        for seq_id, new_block in zip(request.decode_seq_ids, request.decode_new_blocks)
-    ]
+    inputs = list(map(decode_by_id, request.decode_seq_ids, request.decode_new_blocks))
     for s in request.sequences:
         sampling, images, refusal = None, (), ""
         try:
@@ -151,6 +147,7 @@ def describe_to_proto(description: ModelDescription) -> worker_pb2.DescribeRespo
         max_batch_size=description.max_batch_size,
         sampling_defaults=sampling_defaults,
         holds_block_tables=True,
+        max_decode_steps=description.max_decode_steps,
     )
 
 

@@ -40,7 +40,7 @@ from services.worker.model_loading import (
 from services.worker.mtp import MtpDrafter, check_mtp
 from services.worker.parallel import TensorParallel
 from services.worker.sequence import (
-    Refusal, SampledToken, SamplingParams, SequenceInput, SequenceRefused, StepResult)
+    Refusal, SampledToken, SamplingParams, SequenceInput, SequenceRefused, StepResult, decode_by_id)
 from services.worker.sequence_state import SequenceSampling, SequenceState
 from services.worker.vision import VisionLanguageDecoder
 
@@ -72,6 +72,13 @@ class ModelDescription:
     block_size: int
     max_batch_size: int
     sampling_defaults: SamplingDefaults
+    max_decode_steps: int = 1  # StepRequest.decode_steps
+
+
+# The most steps one request may ask of its decodes by id (StepRequest.decode_steps):
+# far above what a scheduler needs to keep up (a few), low enough that a step
+# stream never runs for long on one request.
+MAX_DECODE_STEPS = 64
 
 
 # After a step that ran at least this long (a prefill, decodes over long contexts),
@@ -247,6 +254,8 @@ class ModelRunner(StepAdmission, SequenceSampling):
                 top_p=generation.top_p,
                 repetition_penalty=generation.repetition_penalty,
             ),
+            # A draft belongs to the step that sampled it: with MTP, one step a request.
+            max_decode_steps=self.max_decode_steps,
         )
 
     def release(self, seq_id: int) -> None:
@@ -255,16 +264,40 @@ class ModelRunner(StepAdmission, SequenceSampling):
         if self.mtp is not None:
             self.mtp.release(seq_id)
 
-    @torch.inference_mode()
     def step(self, inputs: list[SequenceInput], release_seq_ids: Sequence[int] = (),
-             block_copies: Sequence[tuple[int, int]] = ()) -> StepResult:
+             block_copies: Sequence[tuple[int, int]] = (), decode_steps: int = 1) -> StepResult:
         """Release `release_seq_ids`, make the `block_copies` (src, dst), run `inputs`
-        as one packed forward, sample.
+        as one packed forward, sample; then `decode_steps - 1` more steps of the
+        decodes by id among them (`extends_table`) that were not refused, each
+        feeding its token from the step before (StepRequest.decode_steps).
 
         Returns one SampledToken per admitted input with sample=True, in input
-        order, and the inputs refused alone (admission.py); raises
-        INVALID_ARGUMENT to refuse the whole step, before any change but the releases.
+        order, step after step, and the inputs refused alone (admission.py);
+        raises INVALID_ARGUMENT to refuse the whole step, before any change but
+        the releases (a later step's refusal comes after the earlier steps ran).
         """
+        if not 1 <= decode_steps <= self.max_decode_steps:
+            raise invalid_argument(f"decode_steps {decode_steps}: this worker runs 1 to "
+                                   f"{self.max_decode_steps} steps a request")
+        result = self._step(inputs, release_seq_ids, block_copies)
+        if decode_steps == 1:
+            return result
+        refused = {r.seq_id for r in result.refused}
+        decode_ids = [s.seq_id for s in inputs if s.extends_table and s.seq_id not in refused]
+        tokens, execute_time_us = list(result.tokens), result.execute_time_us
+        for _ in range(decode_steps - 1):
+            more = self._step([decode_by_id(seq_id) for seq_id in decode_ids])
+            tokens += more.tokens
+            execute_time_us += more.execute_time_us
+        return StepResult(tokens, execute_time_us, result.refused)
+
+    @property
+    def max_decode_steps(self) -> int:
+        return 1 if self.mtp is not None else MAX_DECODE_STEPS
+
+    @torch.inference_mode()
+    def _step(self, inputs: list[SequenceInput], release_seq_ids: Sequence[int] = (),
+              block_copies: Sequence[tuple[int, int]] = ()) -> StepResult:
         started = time.perf_counter()
         self._validate_copies(block_copies)
         for seq_id in release_seq_ids:

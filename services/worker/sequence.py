@@ -108,6 +108,13 @@ class SequenceInput:
     extends_table: bool = False
 
 
+def decode_by_id(seq_id: int, new_block: int = -1) -> SequenceInput:
+    """A decode of StepRequest.decode_seq_ids: the worker's table, extended by
+    `new_block` (-1: none), fed the token it sampled for the sequence last."""
+    return SequenceInput(seq_id, [], 0, True, block_table=[] if new_block < 0 else [new_block],
+                         feed_last_sampled=True, extends_table=True)
+
+
 @dataclass(frozen=True)
 class Refusal:
     """A sequence the step left out (SequenceRefused), and why, for the client."""

@@ -210,7 +210,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             if state.failed:
                 raise ServiceError(grpc.StatusCode.ABORTED, "an earlier step on this stream failed")
             try:
-                result = runner.step(inputs, release_seq_ids, block_copies)
+                result = runner.step(inputs, release_seq_ids, block_copies, request.decode_steps or 1)
             except BaseException:
                 state.failed = True
                 raise

@@ -1,6 +1,6 @@
 """The engine through the real chain: greedy text under heavy concurrency, two
-workers behind one scheduler (placement, prefix caching), and a tiny KV pool that
-forces preemption."""
+workers behind one scheduler (placement, prefix caching, several decode steps a
+message), and a tiny KV pool that forces preemption."""
 from __future__ import annotations
 
 import time
@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from services.common.errors import WORKER_LOST
-from tests.e2e.conftest import MODEL, load_reader, running_chain
+from tests.e2e.conftest import MODEL, load_reader, running_chain, scrape, total
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -23,8 +23,9 @@ QUESTIONS = [
 def two_workers(tmp_path_factory):
     # float32: the tests compare texts across prefix-cache hits and batch
     # compositions, which move bfloat16 logits (docs: fields and replies, reproducibility).
+    # Up to four decode steps a message: every test here runs with them.
     with running_chain(tmp_path_factory.mktemp("two-workers"), num_workers=2,
-                       env={"STORMSERVE_DTYPE": "float32"}) as (chain, stub):
+                       env={"STORMSERVE_DTYPE": "float32", "STORMSERVE_MAX_DECODE_STEPS": "4"}) as (chain, stub):
         yield chain, load_reader(stub)
 
 
@@ -105,6 +106,29 @@ def test_repeated_prompt_and_second_turn_are_served_from_the_prefix_cache(two_wo
     second = ask(client, turn2)
     # The second turn's prompt starts with the whole first turn: its full blocks are reused.
     assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 16
+
+
+def test_several_decode_steps_a_message_give_the_text_of_one_step_a_message(two_workers, openai_client):
+    """This chain's scheduler runs up to four decode steps a message where every
+    running sequence decodes (max_decode_steps): the greedy text of the session's
+    chain, which runs one a message, and fewer messages than steps."""
+    chain, _ = two_workers
+    client = client_for(chain)
+    messages = [[{"role": "user", "content": f"{q} Explain at length."}] for q in QUESTIONS[:2]]
+
+    def counts():
+        samples = scrape(chain.metrics_urls["scheduler"])[1]
+        return (total(samples, "stormserve:step_messages_total"),
+                total(samples, "stormserve:step_duration_seconds_count"))
+
+    before = counts()
+    with ThreadPoolExecutor(len(messages)) as pool:  # one on each worker
+        several = list(pool.map(lambda m: ask(client, m, max_tokens=48, ignore_eos=True), messages))
+    sent, steps = (a - b for a, b in zip(counts(), before))
+    one = [ask(openai_client, m, max_tokens=48, ignore_eos=True) for m in messages]
+    assert [r.choices[0].message.content for r in several] == [r.choices[0].message.content for r in one]
+    assert all(r.usage.completion_tokens == 48 for r in several)
+    assert steps >= 2 * 48 and sent < steps * 0.6, (sent, steps)
 
 
 def test_preemption_under_a_tiny_kv_pool_keeps_every_request_and_its_text(tiny_kv):

@@ -19,7 +19,7 @@ from tests.unit.scheduler.test_policy import FakeWorker, make_policy, make_seq
 from tests.unit.scheduler.test_siblings import assert_no_leak
 
 
-def run_ahead(policy, worker, max_steps=10_000, on_step=None) -> dict[int, list[int]]:
+def run_ahead(policy, worker, max_steps=10_000, on_step=None, on_answer=None) -> dict[int, list[int]]:
     """Drive the policy as EngineLoop does; the fake worker runs each step when sent."""
     outputs: dict[int, list[int]] = {}
     sent: deque = deque()
@@ -28,26 +28,29 @@ def run_ahead(policy, worker, max_steps=10_000, on_step=None) -> dict[int, list[
             on_step(step, policy)
         plan = policy.schedule() if len(sent) < 2 else None
         if plan is not None:
-            sent.append((plan, worker.step(plan)))
+            sent.append((plan, worker.answer(plan)))
             if len(sent) < 2:
                 continue
         if not sent:
             assert not policy.has_work(), "the policy stopped making progress"
             return outputs
-        plan, sampled = sent.popleft()
-        for seq, event in policy.postprocess(plan, sampled, 2_000, 3_000):
+        plan, (sampled, steady_tokens) = sent.popleft()
+        if on_answer is not None:
+            on_answer(plan)
+        for seq, event in policy.postprocess(plan, sampled, 2_000, 3_000, steady_tokens):
             outputs.setdefault(seq.seq_id, []).append(event.token_id)
     raise AssertionError("too many steps")
 
 
-def requests(rng: random.Random, num_blocks: int):
-    """A random mix of requests that each fit `num_blocks` blocks of 4 alone; built
-    afresh on each call from the same rng state."""
+def requests(rng: random.Random, num_blocks: int, longest: int = 8):
+    """A random mix of requests that each fit `num_blocks` blocks of 4 alone, of
+    1 to `longest` tokens; built afresh on each call from the same rng state."""
     seqs, groups = [], []
     next_id = 1
     for _ in range(rng.randint(1, 8)):
         kind = rng.choice(["plain", "stop", "siblings", "beam", "budget"])
-        prompt_len, max_tokens = rng.randint(1, 10), rng.randint(1, 8)
+        prompt_len, max_tokens = rng.randint(1, 10), rng.randint(1, longest)
+        max_tokens = min(max_tokens, num_blocks * 4 - prompt_len)
         if kind == "beam":  # its 3 beams must fit at once
             max_tokens = min(max_tokens, num_blocks // 3 * 4 - 1)
             prompt_len = min(prompt_len, num_blocks // 3 * 4 - max_tokens)
@@ -144,4 +147,70 @@ def test_abort_while_two_steps_are_planned_leaks_nothing():
     outputs = run_ahead(policy, worker, on_step=abort_some)
     assert seqs[1].finish_reason is FinishReason.ABORT and len(outputs[2]) < 30
     assert len(outputs[1]) == len(outputs[3]) == 30
+    assert_no_leak(policy)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_several_decode_steps_a_message_give_the_same_tokens(seed):
+    """Messages of several steps (StepRequest.decode_steps) where every running
+    sequence decodes steadily: the same tokens and finish reasons as one step a
+    message, through stop tokens inside a message, max_tokens, preemption in
+    small pools, siblings, beams and thinking budgets; tables always long
+    enough (the fake worker checks), and nothing leaks."""
+    rng = random.Random(seed)
+    num_blocks, max_prefill, decode_steps = rng.choice([8, 12, 200]), rng.choice([4, 16, 1000]), rng.choice([2, 3, 4])
+    results, multi_step = [], []
+    for steps in (1, decode_steps):
+        policy = make_policy(num_blocks=num_blocks, max_prefill_tokens=max_prefill, decode_steps=steps)
+        worker = FakeWorker(policy=policy)
+        every, groups = requests(random.Random(seed), num_blocks, longest=40)
+        for group in groups:
+            policy.add_group(group)
+        answered = []
+        outputs = run_ahead(policy, worker, on_answer=lambda plan: answered.append(plan.steady.steps))
+        results.append(({s.seq_id: (s.output_token_ids, s.finish_reason) for s in every}, outputs))
+        assert_no_leak(policy)
+        assert all(s.is_finished for s in every)
+        multi_step.append(sum(n > 1 for n in answered))
+    assert results[0] == results[1]
+    assert multi_step[0] == 0 and set(answered) <= {1, decode_steps}
+
+
+class CountingWorker(FakeWorker):
+    """Samples 100 + the context's length: a sequence's n-th output is known."""
+
+    def next_token(self, context, seed):
+        return 100 + len(context)
+
+
+def test_messages_of_several_steps_run_while_nothing_waits_and_stop_inside_one():
+    policy = make_policy(decode_steps=4)
+    worker = CountingWorker(policy=policy)
+    stopping = make_seq(1, prompt_len=5, max_tokens=40, stop_token_ids=frozenset({100 + 5 + 9}))
+    long = make_seq(2, prompt_len=6, max_tokens=60)
+    policy.add(stopping)
+    policy.add(long)
+    answered = []
+    late = make_seq(3, prompt_len=3, max_tokens=3)
+
+    def arrive(step, policy):
+        if step == 8:  # a request that comes in while messages of four steps are in flight
+            policy.add(late)
+            answered.append("arrived")
+
+    outputs = run_ahead(policy, worker, on_step=arrive, on_answer=lambda plan: answered.append(
+        (plan.steady.steps, sorted(s.seq_id for s in plan.sequences))))
+    # Its 10th token stops it: the tokens the worker sampled after it, in the same message, are dropped.
+    assert stopping.output_token_ids == outputs[1] == list(range(105, 115))
+    assert stopping.finish_reason is FinishReason.STOP
+    assert long.output_token_ids == outputs[2] == list(range(106, 166)) and long.finish_reason is FinishReason.LENGTH
+    assert outputs[3] == [103, 104, 105]
+    arrived = answered.index("arrived")
+    before, after = answered[:arrived], answered[arrived + 1:]
+    assert (4, [1, 2]) in before
+    # The newcomer waited for the two messages in flight at most, then steps of one until it decoded steadily too.
+    first = next(i for i, (_, seqs) in enumerate(after) if 3 in seqs)
+    assert first <= 2 and after[first][0] == 1
+    assert all(steps == 1 for steps, seqs in after if 3 in seqs)
+    assert any(steps == 4 for steps, _ in after[first:])  # when it is done, the others go on four at a time
     assert_no_leak(policy)

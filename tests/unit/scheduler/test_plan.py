@@ -2,6 +2,8 @@
 tokens, the Step message built in place, and the sampled tokens read back."""
 from __future__ import annotations
 
+import pytest
+
 from services.scheduler.plan import SampledToken, ScheduledSequence, StepPlan
 from services.scheduler.sequence import SamplingParams, Sequence
 from services.scheduler.worker_client import host_of, sampled_tokens, step_request
@@ -108,6 +110,28 @@ def test_steady_decodes_lead_the_step_and_their_tokens_are_read_in_order_where_t
                                     tokens=[worker_pb2.SampledToken(seq_id=3, token_id=30, logprob=-1.0)])
     answer = step_answer(entry, [3, 4])
     assert answer.steady_tokens is None and answer.tokens == {3: SampledToken(3, 30, -1.0), 4: 40}
+
+
+def test_a_message_of_several_steps_asks_for_them_and_takes_only_their_tokens_step_after_step():
+    from services.scheduler.plan import SteadyDecodes
+    from services.scheduler.worker_client import step_answer
+
+    plan = StepPlan(6, [], release_seq_ids=[7], steady=SteadyDecodes([make_seq(3), make_seq(4)], [3, 4], [-1, 9], 0, 3))
+    message = step_request(plan)
+    assert message.decode_steps == 3 and list(message.decode_seq_ids) == [3, 4]
+    assert list(message.release_seq_ids) == [7] and not message.sequences
+    assert step_request(StepPlan(7, [], steady=SteadyDecodes([make_seq(3)], [3], [-1]))).decode_steps == 0
+    answer = step_answer(worker_pb2.StepResponse(plain_seq_ids=[3, 4] * 3, plain_token_ids=[30, 40, 31, 41, 32, 42]),
+                         [3, 4], 3)
+    assert answer.steady_tokens == [30, 40, 31, 41, 32, 42] and answer.tokens == {} and answer.refused == {}
+    for wrong in (worker_pb2.StepResponse(plain_seq_ids=[3, 4] * 2, plain_token_ids=[30, 40, 31, 41]),  # a step short
+                  worker_pb2.StepResponse(plain_seq_ids=[4, 3] * 3, plain_token_ids=[40, 30] * 3),  # out of order
+                  worker_pb2.StepResponse(plain_seq_ids=[4] * 3, plain_token_ids=[40] * 3,
+                                          refused=[worker_pb2.SequenceRefusal(seq_id=3, message="no")]),
+                  worker_pb2.StepResponse(plain_seq_ids=[4] * 3, plain_token_ids=[40] * 3,
+                                          tokens=[worker_pb2.SampledToken(seq_id=3, token_id=30, logprob=-1.0)] * 3)):
+        with pytest.raises(ValueError, match="3 decode steps"):
+            step_answer(wrong, [3, 4], 3)
 
 
 def test_a_decode_goes_as_its_id_on_the_workers_table_until_the_table_is_a_new_list():

@@ -5,6 +5,7 @@ import math
 
 import pytest
 
+from services.scheduler.plan import SteadyDecodes, StepPlan
 from services.scheduler.policy import BatchPolicy, CapacityError, SampledToken, WorkerCapacity
 from services.scheduler.sequence import (
     FinishReason,
@@ -21,12 +22,12 @@ BLOCK_SIZE = 4
 
 
 def make_policy(num_blocks=100, block_size=BLOCK_SIZE, max_batch_size=8, max_prefill_tokens=1000, speculation=None,
-                speculator=None):
+                speculator=None, decode_steps=1):
     capacity = WorkerCapacity(num_kv_blocks=num_blocks, block_size=block_size, max_batch_size=64,
-                              eos_token_ids=frozenset({EOS}), holds_block_tables=True)
+                              eos_token_ids=frozenset({EOS}), holds_block_tables=True, max_decode_steps=64)
     if speculation is not None:
         speculator = Speculator(speculation)
-    return BatchPolicy(capacity, max_batch_size, max_prefill_tokens, speculator)
+    return BatchPolicy(capacity, max_batch_size, max_prefill_tokens, speculator, decode_steps)
 
 
 def make_seq(seq_id, prompt_len=5, max_tokens=4, arrival_us=1_000, **stopping):
@@ -135,6 +136,22 @@ class FakeWorker:
                     if logprob is not None else token  # a plain token as its id, as the worker answers it
                 self.last_sampled[seq.seq_id] = token
         return sampled
+
+    def answer(self, plan) -> tuple[dict, list[int] | None]:
+        """Run a planned message as the worker does (StepRequest.decode_steps):
+        its first step, then its steady decodes alone in each step after it;
+        the tokens by id and, for several steps, the steady ones step after step."""
+        sampled = self.step(plan)
+        steady = plan.steady
+        if steady.steps == 1:
+            return sampled, None
+        assert not plan.scheduled, "several steps are of steady decodes alone"
+        tokens = [sampled[i] for i in steady.seq_ids]
+        later = StepPlan(plan.step_id, [], steady=SteadyDecodes(steady.seqs, steady.seq_ids, [-1] * len(steady.seqs)))
+        for _ in range(steady.steps - 1):
+            sampled = self.step(later)
+            tokens += [sampled[i] for i in steady.seq_ids]
+        return {}, tokens
 
     def next_token(self, context: list[int], seed: int) -> int:
         # The seed picks the "random" stream, as on the real worker.

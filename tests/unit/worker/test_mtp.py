@@ -77,6 +77,7 @@ def reference_drafts(reference, directory: Path, tokens: list[int]) -> list[int]
 
 def test_drafts_follow_the_mtp_module_and_decoding_with_them_is_lossless(model):
     reference, directory, runner = model
+    assert runner.describe().max_decode_steps == 1  # a draft belongs to the step that sampled it
     prompt = torch.randint(0, VOCAB, (11,), generator=torch.Generator().manual_seed(4)).tolist()
     with torch.inference_mode():
         expected = reference.generate(torch.tensor([prompt]), max_new_tokens=14, min_new_tokens=14,

@@ -9,9 +9,11 @@ from __future__ import annotations
 import itertools
 from collections import deque
 
+import grpc
 import pytest
 import torch
 
+from services.common.errors import ServiceError
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.convert import to_sequences
 from services.scheduler.plan import WorkerCapacity
@@ -34,15 +36,19 @@ def small_blocks_runner(model_dir) -> ModelRunner:
                        kv_cache_bytes=16 * 2**20, max_batch_size=16)
 
 
-@pytest.mark.parametrize("speculation", ["off", "ngram"])
-def test_pipelined_decodes_on_the_workers_tables_give_greedy_text(small_blocks_runner, reference_model, speculation):
+@pytest.mark.parametrize("speculation, decode_steps", [("off", 1), ("ngram", 1), ("off", 4), ("off", 3)])
+def test_pipelined_decodes_on_the_workers_tables_give_greedy_text(small_blocks_runner, reference_model, speculation,
+                                                                  decode_steps):
+    """With decode_steps, the steady decodes run that many steps a message
+    (one block of 4 tokens, or 3: messages that end inside a block)."""
     runner = small_blocks_runner
-    description = runner.describe()
+    description = describe_to_proto(runner.describe())
     # No EOS: every sequence runs to max_tokens. It holds tables, as its Describe says.
     capacity = WorkerCapacity(description.num_kv_blocks, description.block_size, description.max_batch_size,
-                              frozenset(), holds_block_tables=describe_to_proto(description).holds_block_tables)
+                              frozenset(), holds_block_tables=description.holds_block_tables,
+                              max_decode_steps=description.max_decode_steps)
     policy = BatchPolicy(capacity, max_batch_size=16, max_prefill_tokens=512,
-                         speculator=Speculator(SpeculationConfig(method=speculation)))
+                         speculator=Speculator(SpeculationConfig(method=speculation)), decode_steps=decode_steps)
     ids = itertools.count(1)
     config = SchedulerConfig(max_batch_size=16)
     seqs = []
@@ -54,17 +60,24 @@ def test_pipelined_decodes_on_the_workers_tables_give_greedy_text(small_blocks_r
         policy.add_group(group)
         seqs += group
     sent: deque = deque()  # (plan, answer), the worker having run the steps in the order sent
-    decodes = new_blocks = steady = in_order = 0
+    decodes = new_blocks = steady = in_order = multi_step = 0
     while True:
         if len(sent) < 2 and (plan := policy.schedule()) is not None:
             message = step_request(plan)
             decodes += len(message.decode_seq_ids)
             new_blocks += sum(b >= 0 for b in message.decode_new_blocks)
-            steady += len(plan.steady.seqs)
-            reply = step_to_proto(message.step_id, runner.step(*step_from_proto(message)), pack_plain=True)
+            steady += len(plan.steady.seqs) * plan.steady.steps
+            assert message.decode_steps == (plan.steady.steps if plan.steady.steps > 1 else 0)
+            if plan.steady.steps > 1:  # steady decodes alone, a block at most
+                assert not plan.scheduled and plan.steady.steps == decode_steps
+                multi_step += 1
+            reply = step_to_proto(message.step_id, runner.step(*step_from_proto(message), message.decode_steps or 1),
+                                  pack_plain=True)
             assert not reply.refused
-            answer = step_answer(reply, plan.steady.seq_ids)
-            if plan.steady.seqs:  # the worker answered the steady decodes first, in order
+            answer = step_answer(reply, plan.steady.seq_ids, plan.steady.steps)
+            if plan.steady.steps > 1:
+                assert len(answer.steady_tokens) == plan.steady.steps * len(plan.steady.seqs)
+            elif plan.steady.seqs:  # the worker answered the steady decodes first, in order
                 by_id = sampled_tokens(reply)
                 assert answer.steady_tokens == [by_id[i] for i in plan.steady.seq_ids]
                 assert not answer.tokens.keys() & set(plan.steady.seq_ids)
@@ -77,10 +90,21 @@ def test_pipelined_decodes_on_the_workers_tables_give_greedy_text(small_blocks_r
         plan, answer = sent.popleft()
         policy.postprocess(plan, answer.tokens, 0, 0, answer.steady_tokens)
     assert decodes > 10 and new_blocks > 3  # most decodes went as ids, tables grew by them
-    assert in_order > 5 if speculation == "off" else in_order == 0
+    if decode_steps == 1:
+        assert in_order > 5 if speculation == "off" else in_order == 0
     assert steady > 50 if speculation == "off" else steady == 0
+    assert multi_step > 5 if decode_steps > 1 else multi_step == 0
     assert policy.num_free_blocks == capacity.num_kv_blocks
     for seq, prompt in zip(seqs, PROMPTS):
         want = reference_model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=MAX_TOKENS,
                                         min_new_tokens=MAX_TOKENS, pad_token_id=0)[0, len(prompt):].tolist()
         assert seq.output_token_ids == want
+
+
+def test_a_worker_offers_decode_steps_and_refuses_more(small_blocks_runner):
+    runner = small_blocks_runner
+    offered = describe_to_proto(runner.describe()).max_decode_steps
+    assert offered == 64
+    with pytest.raises(ServiceError, match="decode_steps 65") as refused:
+        runner.step([], decode_steps=offered + 1)
+    assert refused.value.code is grpc.StatusCode.INVALID_ARGUMENT

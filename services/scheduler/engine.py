@@ -55,7 +55,9 @@ class LoopSlices:
     def __init__(self, slice_s: float = 5e-4):
         self.slice_s = slice_s
         self._started = 0.0  # when this iteration's first step began; 0.0 until one does
-        self._next: asyncio.Future | None = None  # done when the next iteration begins
+        # One future per engine waiting for the next iteration, done when it begins: each its
+        # own, as cancelling a task (an engine that stops) cancels the future it awaits.
+        self._waiting: list[asyncio.Future] = []
 
     async def take(self) -> None:
         """Return once this step may run in the current iteration."""
@@ -67,15 +69,16 @@ class LoopSlices:
                 return
             if now - self._started < self.slice_s:
                 return
-            if self._next is None:
-                self._next = asyncio.get_running_loop().create_future()
-            await self._next
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiting.append(waiter)
+            await waiter
 
     def _new_iteration(self) -> None:
         self._started = 0.0
-        if self._next is not None:
-            self._next.set_result(None)
-            self._next = None
+        waiting, self._waiting = self._waiting, []
+        for waiter in waiting:
+            if not waiter.done():  # else its engine stopped while it waited
+                waiter.set_result(None)
 
 
 def now_us() -> int:

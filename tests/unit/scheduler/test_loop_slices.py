@@ -57,3 +57,22 @@ def test_an_iteration_runs_about_a_slice_of_steps_and_the_rest_wait_for_the_next
     free_per_iteration, free_turns = asyncio.run(run_engines(None))
     assert max(free_per_iteration.values()) == 8  # without: every ready engine in one iteration
     assert turns >= 3 * free_turns  # the bystander got its turns while the steps ran
+
+
+def test_an_engine_stopped_while_it_waits_for_the_next_iteration_stops_no_other():
+    async def main():
+        slices = LoopSlices(slice_s=1e-4)
+
+        async def engine() -> str:
+            await slices.take()
+            busy(2e-4)  # this iteration's slice is spent: its next step waits
+            await slices.take()
+            return "ran"
+
+        stopped, other = asyncio.create_task(engine()), asyncio.create_task(engine())
+        await asyncio.sleep(0)  # both wait for the next iteration now
+        stopped.cancel()
+        return await asyncio.gather(stopped, other, return_exceptions=True)
+
+    stopped, other = asyncio.run(main())
+    assert isinstance(stopped, asyncio.CancelledError) and other == "ran"

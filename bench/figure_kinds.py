@@ -437,7 +437,7 @@ def draw_scheduler(fig: Figure, fs: dict) -> str:
     ax.axhline(fs["goal_us"], color=PEER, linestyle="--", linewidth=1.5, label=fs["labels"]["goal"])
     _value_axis(ax, "scheduler CPU per step (µs, all its threads)", max(b or 0 for b in before), log=True,
                 log_headroom=3)
-    ax.set_ylim(bottom=fs["goal_us"] / 2)
+    ax.set_ylim(bottom=min(fs["goal_us"] / 2, min(r["after_us"] for r in rows) / 1.5))
     ax.set_xticks(list(xs), [f"{r['workers']} × {r['sequences']}" for r in rows])
     ax.set_xlabel("workers × sequences each")
     ax.legend(loc="upper left", fontsize=9)

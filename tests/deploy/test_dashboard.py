@@ -84,8 +84,9 @@ def test_groups_and_workers_have_panels_of_their_own():
     balance = " ".join(panels["Group load balance"])
     assert "vllm:num_requests_running" in balance and "scalar(avg(" in balance
     assert any("stormserve:worker_healthy" in q for q in panels["Workers ready by group"])
-    assert any("by (group, engine)" in q and "step_duration_seconds_count" in q
-               for q in panels["Engine steps per second by worker"])
+    steps = panels["Engine steps and messages per second by worker"]
+    assert any("by (group, engine)" in q and "step_duration_seconds_count" in q for q in steps)
+    assert any("by (group, engine)" in q and "step_messages_total" in q for q in steps)
     ids = [p["id"] for p in dashboard()["panels"]]
     assert len(ids) == len(set(ids))
     # No two panels on the same cells of the 24-column grid.

@@ -133,18 +133,21 @@ def test_a_stop_token_costs_one_wasted_step_and_nothing_else():
     assert_no_leak(policy)
 
 
-def test_abort_while_two_steps_are_planned_leaks_nothing():
-    policy = make_policy()
+@pytest.mark.parametrize("decode_steps", [1, 4])
+def test_abort_while_two_steps_are_planned_leaks_nothing(decode_steps):
+    policy = make_policy(decode_steps=decode_steps)
     worker = FakeWorker(policy=policy)
     seqs = [make_seq(i, prompt_len=6, max_tokens=30) for i in (1, 2, 3)]
     for seq in seqs:
         policy.add(seq)
 
-    def abort_some(step, policy):
-        if step == 5:
-            policy.finish(seqs[1], FinishReason.ABORT)
+    answered = []
 
-    outputs = run_ahead(policy, worker, on_step=abort_some)
+    def abort_some(step, policy):
+        if step == 5 if decode_steps == 1 else answered.count(4) == 2 and not seqs[1].is_finished:
+            policy.finish(seqs[1], FinishReason.ABORT)  # four-step messages: aborted under the ones in flight
+
+    outputs = run_ahead(policy, worker, on_step=abort_some, on_answer=lambda plan: answered.append(plan.steady.steps))
     assert seqs[1].finish_reason is FinishReason.ABORT and len(outputs[2]) < 30
     assert len(outputs[1]) == len(outputs[3]) == 30
     assert_no_leak(policy)

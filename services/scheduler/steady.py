@@ -43,9 +43,10 @@ them in vain). Planning handles a member early enough for any message:
 `steady_due` leaves room for the tokens of the message in flight and of
 the one planned (at most `decode_steps` each), a member whose table would
 fill within them gains its next block then (at most one a message: the
-steps are at most a block), and one whose max_tokens the message could
-reach leaves (and the message runs one step: the leaver is planned as any
-sequence)."""
+steps are at most a block), a message runs no further than the step before
+the one that could give a member its last token (max_tokens), and a member
+whose next token could be its last leaves (and the message runs one step:
+the leaver is planned as any sequence)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable
@@ -110,11 +111,14 @@ class SteadySteps:
         now, grown = dict(steady), {}
         for seq in self._steady_reaching_due():
             self.blocks.commit(seq)  # its newly full blocks, if any
+            # The steps it may run before the one whose token could be its last (max_tokens).
+            room = seq.stopping.max_tokens - len(seq.output_token_ids) - in_flight - 1
+            if 1 <= room < steps:
+                steps = room  # the members handled before it have room for more: no matter
             table = seq.block_table
             total = seq.num_tokens + in_flight + steps - 1  # with the tokens in flight, through the last step
             needs_block = total > len(table) * self.blocks.block_size
-            if len(seq.output_token_ids) + in_flight + steps >= seq.stopping.max_tokens or (
-                    needs_block and not self.blocks.can_grow(seq, total)):
+            if room < 1 or (needs_block and not self.blocks.can_grow(seq, total)):
                 del steady[seq.seq_id], now[seq.seq_id]  # planned (or held back) like any sequence
                 continue
             if needs_block:
@@ -138,7 +142,8 @@ class SteadySteps:
                 or seq.moves or seq.sampling.top_logprobs >= 0 \
                 or (seq.stopping.thinking_budget is not None and not seq.is_thinking_done):
             return False
-        if len(seq.output_token_ids) + 2 >= seq.stopping.max_tokens:  # the token planned could be its last
+        in_flight = self._steady_in_flight_steps if seq.seq_id in self._steady_in_flight else 1
+        if len(seq.output_token_ids) + in_flight + 1 >= seq.stopping.max_tokens:  # the token planned could be its last
             return False
         self._steady[seq.seq_id] = now[seq.seq_id] = seq
         if entry.extends_table >= 0:

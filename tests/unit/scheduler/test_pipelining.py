@@ -176,7 +176,7 @@ def test_several_decode_steps_a_message_give_the_same_tokens(seed):
         assert all(s.is_finished for s in every)
         multi_step.append(sum(n > 1 for n in answered))
     assert results[0] == results[1]
-    assert multi_step[0] == 0 and set(answered) <= {1, decode_steps}
+    assert multi_step[0] == 0 and set(answered) <= set(range(1, decode_steps + 1))
 
 
 class CountingWorker(FakeWorker):
@@ -217,3 +217,25 @@ def test_messages_of_several_steps_run_while_nothing_waits_and_stop_inside_one()
     assert all(steps == 1 for steps, seqs in after if 3 in seqs)
     assert any(steps == 4 for steps, _ in after[first:])  # when it is done, the others go on four at a time
     assert_no_leak(policy)
+
+
+@pytest.mark.parametrize("decode_steps", [2, 3, 4])
+def test_messages_of_several_steps_end_every_sequence_at_its_max_tokens(decode_steps):
+    """Whatever a sequence's max_tokens, against how far the messages in flight
+    and planned reach: its last token is planned and accounted alone, never
+    past max_tokens (a member that leaves the steady set near its end does not
+    join it again while a message of several steps is in flight)."""
+    for longest in range(8, 44, 3):
+        policy = make_policy(decode_steps=decode_steps)
+        worker = CountingWorker(policy=policy)
+        seqs = [make_seq(i, prompt_len=5 + i, max_tokens=longest - i) for i in range(3)]
+        for seq in seqs:
+            policy.add(seq)
+        answered = []
+        outputs = run_ahead(policy, worker, on_answer=lambda plan: answered.append(plan.steady.steps))
+        for seq in seqs:
+            assert outputs[seq.seq_id] == seq.output_token_ids == list(
+                range(100 + seq.num_prompt_tokens, 100 + seq.num_prompt_tokens + seq.stopping.max_tokens)), longest
+            assert seq.finish_reason is FinishReason.LENGTH
+        assert decode_steps in answered or longest < 20
+        assert_no_leak(policy)
